@@ -1,0 +1,460 @@
+"""A run's layout in the object store: run.json, heartbeats, metrics, and every key in between.
+
+The bucket is the only thing replicas and the CLI share, so a run *is* its folder
+``<store_url>/<run_id>`` (DESIGN.md, "A run in the store")::
+
+    run.json                                 {"run_id", "created_at", "version", "config", "launch"}
+    members/rank-<r>.json                    heartbeat (see :class:`Heartbeat`)
+    rounds/<round:08d>/ready/rank-<r>        exchange objects (written by allreduce.py)
+    rounds/<round:08d>/quorum.json
+    rounds/<round:08d>/contrib/<shard:04d>/rank-<r>
+    rounds/<round:08d>/reduced/<shard:04d>
+    checkpoints/<round:08d>/...   checkpoints/latest.json
+    metrics/rank-<r>/<round:08d>.json
+    logs/rank-<r>.log
+    final/                                   save_pretrained output
+
+Key builders here are pure functions; every other module builds keys through them. Helpers take an
+``ObjectStore`` rooted at the run (what :func:`load_run` returns). ``run.json`` is created with
+create-only semantics (``put_if_absent``), so two launches can never share a run id.
+
+Failure: :class:`RunNotFound` when a URL holds no run.json, :class:`InvalidRun` when it is not JSON
+or its config does not validate, :class:`RunExists` when creating over an existing run; every message
+names the URL and says what to do. Store errors (access denied, unavailable) propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from diloco_serverless.config import ConfigError, RunConfig, _find_secret
+from diloco_serverless.store import ObjectNotFound, ObjectStore
+
+__all__ = [
+    "RUN_JSON",
+    "RUN_VERSION",
+    "LATEST_CHECKPOINT_KEY",
+    "FINAL_PREFIX",
+    "RunError",
+    "RunNotFound",
+    "RunExists",
+    "InvalidRun",
+    "RunRecord",
+    "Heartbeat",
+    "HEARTBEAT_STATES",
+    "fmt_round",
+    "fmt_shard",
+    "round_prefix",
+    "ready_prefix",
+    "ready_key",
+    "quorum_key",
+    "contrib_key",
+    "reduced_key",
+    "checkpoint_prefix",
+    "member_key",
+    "metrics_prefix",
+    "metrics_key",
+    "log_key",
+    "split_run_url",
+    "join_run_url",
+    "create_run",
+    "load_run",
+    "open_run_store",
+    "record_launch",
+    "write_heartbeat",
+    "read_members",
+    "write_metrics",
+    "read_metrics",
+    "list_runs",
+]
+
+RUN_JSON = "run.json"
+RUN_VERSION = 1
+MEMBERS_PREFIX = "members"
+ROUNDS_PREFIX = "rounds"
+CHECKPOINTS_PREFIX = "checkpoints"
+LATEST_CHECKPOINT_KEY = "checkpoints/latest.json"
+METRICS_PREFIX = "metrics"
+LOGS_PREFIX = "logs"
+FINAL_PREFIX = "final"
+
+HEARTBEAT_STATES = ("starting", "healing", "training", "syncing", "evaluating", "checkpointing", "done", "failed")
+
+
+class RunError(RuntimeError):
+    """Base of run-layout errors; the message names the run URL."""
+
+
+class RunNotFound(RunError, FileNotFoundError):
+    """No run.json at the URL."""
+
+
+class RunExists(RunError, FileExistsError):
+    """create_run found a run.json already there."""
+
+
+class InvalidRun(RunError, ValueError):
+    """run.json exists but is not JSON, misses fields, or its config does not validate."""
+
+
+# --------------------------------------------------------------------------------- key builders
+def _check_index(name: str, value: int, digits: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= 10**digits:
+        raise ValueError(f"{name} must be an int in [0, {10**digits}), got {value!r}")
+
+
+def fmt_round(round: int) -> str:
+    """``3`` -> ``"00000003"`` (rounds are 0-based, zero-padded to 8 digits)."""
+    _check_index("round", round, 8)
+    return f"{round:08d}"
+
+
+def fmt_shard(shard: int) -> str:
+    """``3`` -> ``"0003"`` (shards zero-padded to 4 digits)."""
+    _check_index("shard", shard, 4)
+    return f"{shard:04d}"
+
+
+def _rank(rank: int) -> str:
+    _check_index("rank", rank, 6)
+    return f"rank-{rank}"
+
+
+def round_prefix(round: int) -> str:
+    """``rounds/<round:08d>``."""
+    return f"{ROUNDS_PREFIX}/{fmt_round(round)}"
+
+
+def ready_prefix(round: int) -> str:
+    """``rounds/<round>/ready`` (list it to see who is ready)."""
+    return f"{round_prefix(round)}/ready"
+
+
+def ready_key(round: int, rank: int) -> str:
+    """``rounds/<round>/ready/rank-<r>``."""
+    return f"{ready_prefix(round)}/{_rank(rank)}"
+
+
+def quorum_key(round: int) -> str:
+    """``rounds/<round>/quorum.json`` (create-only)."""
+    return f"{round_prefix(round)}/quorum.json"
+
+
+def contrib_key(round: int, shard: int, rank: int) -> str:
+    """``rounds/<round>/contrib/<shard:04d>/rank-<r>``."""
+    return f"{round_prefix(round)}/contrib/{fmt_shard(shard)}/{_rank(rank)}"
+
+
+def reduced_key(round: int, shard: int) -> str:
+    """``rounds/<round>/reduced/<shard:04d>`` (create-only)."""
+    return f"{round_prefix(round)}/reduced/{fmt_shard(shard)}"
+
+
+def checkpoint_prefix(round: int) -> str:
+    """``checkpoints/<round:08d>``: a global checkpoint taken after ``round``."""
+    return f"{CHECKPOINTS_PREFIX}/{fmt_round(round)}"
+
+
+def member_key(rank: int) -> str:
+    """``members/rank-<r>.json``: rank r's heartbeat."""
+    return f"{MEMBERS_PREFIX}/{_rank(rank)}.json"
+
+
+def metrics_prefix(rank: int) -> str:
+    """``metrics/rank-<r>``."""
+    return f"{METRICS_PREFIX}/{_rank(rank)}"
+
+
+def metrics_key(rank: int, round: int) -> str:
+    """``metrics/rank-<r>/<round:08d>.json``."""
+    return f"{metrics_prefix(rank)}/{fmt_round(round)}.json"
+
+
+def log_key(rank: int) -> str:
+    """``logs/rank-<r>.log`` (local executor, file stores)."""
+    return f"{LOGS_PREFIX}/{_rank(rank)}.log"
+
+
+def split_run_url(run_url: str) -> tuple[str, str]:
+    """``"s3://b/prefix/run-x"`` -> ``("s3://b/prefix", "run-x")``; a bare ``"run-x"`` -> ``(".", "run-x")``.
+
+    Raises ValueError when the URL has no run id component (e.g. ``"s3://bucket"``).
+    """
+    url = run_url.strip().rstrip("/")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "/" not in rest:
+        if scheme or not rest:
+            raise ValueError(
+                f"run URL {run_url!r} has no run id; expected <store_url>/<run_id>, e.g. s3://bucket/runs/run-x"
+            )
+        return ".", rest
+    parent, run_id = rest.rsplit("/", 1)
+    if not run_id or not parent and not scheme:
+        raise ValueError(f"run URL {run_url!r} has no run id; expected <store_url>/<run_id>")
+    return (f"{scheme}://{parent}" if scheme else (parent or "/")), run_id
+
+
+def join_run_url(store_url: str, run_id: str) -> str:
+    """``<store_url>/<run_id>`` without doubled slashes."""
+    return f"{store_url.rstrip('/')}/{run_id}"
+
+
+# --------------------------------------------------------------------------------- run.json
+def _utc_now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """The parsed ``run.json``: identity, validated config and launch record (executor + handles)."""
+
+    run_id: str
+    created_at: str
+    version: int
+    config: RunConfig
+    launch: dict[str, Any] | None = None
+    url: str = ""  # where it was read from; not stored
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The JSON object stored as run.json."""
+        return {
+            "run_id": self.run_id,
+            "created_at": self.created_at,
+            "version": self.version,
+            "config": self.config.to_json_dict(),
+            "launch": self.launch,
+        }
+
+    @classmethod
+    def from_json_dict(cls, data: Any, *, url: str) -> RunRecord:
+        """Parse run.json content; InvalidRun naming ``url`` and the problem on failure."""
+        if not isinstance(data, dict):
+            raise InvalidRun(f"{url}/{RUN_JSON} is not a JSON object; the run is corrupt, launch a new one")
+        missing = [k for k in ("run_id", "created_at", "version", "config") if k not in data]
+        if missing:
+            raise InvalidRun(f"{url}/{RUN_JSON} lacks {missing}; it was not written by diloco, launch a new run")
+        if not isinstance(data["version"], int) or data["version"] > RUN_VERSION:
+            raise InvalidRun(
+                f"{url}/{RUN_JSON} has version {data['version']!r}, this diloco-serverless reads <= {RUN_VERSION}; "
+                "upgrade the package"
+            )
+        try:
+            config = RunConfig.from_dict(data["config"], source=f"{url}/{RUN_JSON}")
+        except ConfigError as exc:
+            raise InvalidRun(str(exc)) from None
+        launch = data.get("launch")
+        if launch is not None and not isinstance(launch, dict):
+            raise InvalidRun(f"{url}/{RUN_JSON}: 'launch' must be an object or null, got {type(launch).__name__}")
+        return cls(str(data["run_id"]), str(data["created_at"]), data["version"], config, launch, url)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=False).encode("utf-8")
+
+
+def open_run_store(run_url: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
+    """An ObjectStore rooted at the run (no I/O)."""
+    return ObjectStore(run_url, storage_options)
+
+
+def create_run(
+    store: ObjectStore | str | None, config: RunConfig, *, storage_options: dict[str, Any] | None = None
+) -> tuple[ObjectStore, RunRecord]:
+    """Create ``<store>/<config.run_id>/run.json`` create-only; returns (run store, record).
+
+    ``store`` is the store root (ObjectStore or URL; None = ``config.store``). The recorded config's
+    ``store`` is the normalised store URL so replicas on other machines read an absolute location.
+    Raises RunExists if the run id is taken.
+    """
+    root = store if isinstance(store, ObjectStore) else ObjectStore(store or config.store, storage_options)
+    config = config.model_copy(update={"store": root.url})
+    run_store = root.child(config.run_id)
+    record = RunRecord(config.run_id, _utc_now_iso(), RUN_VERSION, config, None, run_store.url)
+    if not run_store.put_if_absent(RUN_JSON, _dumps(record.to_json_dict())):
+        raise RunExists(
+            f"run {run_store.url} already exists; choose another run id (--set run_id=...) "
+            f"or attach to it with `diloco status {run_store.url}`"
+        )
+    return run_store, record
+
+
+def _read_record(run_store: ObjectStore) -> RunRecord:
+    try:
+        raw = run_store.get(RUN_JSON)
+    except ObjectNotFound:
+        raise RunNotFound(
+            f"no run at {run_store.url}: {RUN_JSON} does not exist; check the run URL "
+            "(list runs with `diloco ls <store_url>`)"
+        ) from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRun(f"{run_store.url}/{RUN_JSON} is not valid JSON ({exc}); the run is corrupt") from None
+    return RunRecord.from_json_dict(data, url=run_store.url)
+
+
+def load_run(
+    run_url: str | ObjectStore, storage_options: dict[str, Any] | None = None
+) -> tuple[ObjectStore, RunRecord]:
+    """Open the run at ``run_url`` -> (store rooted at the run, its RunRecord).
+
+    Raises RunNotFound / InvalidRun naming the URL; store errors (StoreAccessDenied, StoreUnavailable)
+    propagate with their own message.
+    """
+    run_store = run_url if isinstance(run_url, ObjectStore) else ObjectStore(run_url, storage_options)
+    return run_store, _read_record(run_store)
+
+
+def _refuse_secret_values(obj: Any, where: str) -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _refuse_secret_values(v, f"{where}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _refuse_secret_values(v, f"{where}[{i}]")
+    elif isinstance(obj, str) and (kind := _find_secret(obj)) is not None:
+        raise ValueError(f"{where} looks like {kind}; never record credentials in run.json, keep them in the env")
+
+
+def record_launch(
+    run_url: str | ObjectStore,
+    executor_kind: str,
+    handles: list[dict[str, Any]],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    **extra: Any,
+) -> RunRecord:
+    """Store the launch record ``{"executor", "handles", "launched_at", **extra}`` in run.json.
+
+    Handles must be JSON-serialisable dicts ({"kind", "rank", ...}); values that look like secrets are
+    refused (ValueError). Overwrites any previous launch record (a relaunch). Returns the new record.
+    """
+    run_store, record = load_run(run_url, storage_options)
+    launch = {"executor": executor_kind, "handles": list(handles), "launched_at": _utc_now_iso(), **extra}
+    _refuse_secret_values(launch, "launch")
+    try:
+        json.dumps(launch)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"launch record for {run_store.url} is not JSON-serialisable: {exc}") from None
+    new = RunRecord(record.run_id, record.created_at, record.version, record.config, launch, run_store.url)
+    run_store.put(RUN_JSON, _dumps(new.to_json_dict()))
+    return new
+
+
+# --------------------------------------------------------------------------------- heartbeats
+@dataclass
+class Heartbeat:
+    """One replica's latest state, ``members/rank-<r>.json``. ``time`` is Unix seconds (UTC)."""
+
+    rank: int
+    round: int = 0
+    step: int = 0
+    loss: float | None = None
+    attempt: int = 0
+    time: float = field(default_factory=time.time)
+    state: str = "starting"
+    bytes_up: int = 0
+    bytes_down: int = 0
+    message: str | None = None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if d["loss"] is not None and not math.isfinite(d["loss"]):
+            d["loss"] = str(d["loss"])  # "nan"/"inf": keep it visible yet valid JSON
+        return d
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> Heartbeat:
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if isinstance(known.get("loss"), str):
+            known["loss"] = float(known["loss"])
+        return cls(**known)
+
+    @property
+    def age_s(self) -> float:
+        """Seconds since this heartbeat was written (by the local clock)."""
+        return max(0.0, time.time() - self.time)
+
+
+def write_heartbeat(run_store: ObjectStore, heartbeat: Heartbeat) -> None:
+    """Overwrite ``members/rank-<r>.json``. Raises ValueError for an unknown state."""
+    if heartbeat.state not in HEARTBEAT_STATES:
+        raise ValueError(f"heartbeat state {heartbeat.state!r} of rank {heartbeat.rank} not in {HEARTBEAT_STATES}")
+    run_store.put(member_key(heartbeat.rank), _dumps(heartbeat.to_json_dict()))
+
+
+def read_members(run_store: ObjectStore) -> dict[int, Heartbeat]:
+    """Every rank's latest heartbeat, by rank. Unreadable entries are skipped with a warning."""
+    keys = [k for k in run_store.list(MEMBERS_PREFIX + "/") if k.endswith(".json")]
+    blobs = run_store.get_many(keys, missing_ok=True)
+    out: dict[int, Heartbeat] = {}
+    for key, raw in blobs.items():
+        try:
+            hb = Heartbeat.from_json_dict(json.loads(raw.decode("utf-8")))
+        except (ValueError, TypeError, AttributeError) as exc:
+            warnings.warn(f"skipping unreadable heartbeat {run_store.url}/{key}: {exc}", stacklevel=2)
+            continue
+        out[hb.rank] = hb
+    return dict(sorted(out.items()))
+
+
+# --------------------------------------------------------------------------------- metrics
+def write_metrics(run_store: ObjectStore, rank: int, round: int, metrics: dict[str, Any]) -> None:
+    """Write ``metrics/rank-<r>/<round>.json`` = ``{"rank", "round", "time", **metrics}``.
+
+    Non-finite floats are stored as the strings "nan"/"inf"/"-inf" (valid JSON); read_metrics restores them.
+    """
+    record: dict[str, Any] = {"rank": rank, "round": round, "time": time.time()}
+    for k, v in metrics.items():
+        record[k] = str(v) if isinstance(v, float) and not math.isfinite(v) else v
+    try:
+        data = json.dumps(record, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"metrics of rank {rank} round {round} are not JSON-serialisable: {exc}") from None
+    run_store.put(metrics_key(rank, round), data)
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def read_metrics(run_store: ObjectStore, rank: int | None = None) -> list[dict[str, Any]]:
+    """All metrics records (of one rank, or every rank), sorted by (round, rank). Bad files are skipped."""
+    prefix = metrics_prefix(rank) + "/" if rank is not None else METRICS_PREFIX + "/"
+    keys = [k for k in run_store.list(prefix) if k.endswith(".json")]
+    out: list[dict[str, Any]] = []
+    for key, raw in run_store.get_many(keys, missing_ok=True).items():
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            warnings.warn(f"skipping unreadable metrics {run_store.url}/{key}: {exc}", stacklevel=2)
+            continue
+        out.append({k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in rec.items()})
+    return sorted(out, key=lambda r: (r.get("round", -1), r.get("rank", -1)))
+
+
+# --------------------------------------------------------------------------------- listing
+def list_runs(store: ObjectStore | str, storage_options: dict[str, Any] | None = None) -> list[RunRecord]:
+    """Runs directly under a store URL (folders holding a run.json), oldest first.
+
+    Runs whose run.json is unreadable are skipped with a warning naming them.
+    """
+    root = store if isinstance(store, ObjectStore) else ObjectStore(store, storage_options)
+    keys = [k for k in root.list("") if k.count("/") == 1 and k.endswith("/" + RUN_JSON)]
+    out: list[RunRecord] = []
+    for key, raw in sorted(root.get_many(keys, missing_ok=True).items()):
+        url = join_run_url(root.url, key.split("/", 1)[0])
+        try:
+            out.append(RunRecord.from_json_dict(json.loads(raw.decode("utf-8")), url=url))
+        except (ValueError, RunError) as exc:
+            warnings.warn(f"skipping run {url}: {exc}", stacklevel=2)
+    return sorted(out, key=lambda r: (r.created_at, r.run_id))
