@@ -197,7 +197,7 @@ def split_run_url(run_url: str) -> tuple[str, str]:
             )
         return ".", rest
     parent, run_id = rest.rsplit("/", 1)
-    if not run_id or not parent and not scheme:
+    if not run_id:
         raise ValueError(f"run URL {run_url!r} has no run id; expected <store_url>/<run_id>")
     return (f"{scheme}://{parent}" if scheme else (parent or "/")), run_id
 
