@@ -1,0 +1,235 @@
+"""``compose_loss``: the three-channel composer loss every replica minimises in its inner steps.
+
+    total = lm_ce + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo
+
+1. ``lm_ce`` (always on): response-masked next-token cross-entropy of ``input_ids``.
+2. ``sdpo_jsd`` (hint self-distillation): the same model, under ``torch.no_grad()``, reads
+   ``ctx_teacher_input_ids`` (prompt + hint + the same response); its response logits teach the
+   student's response logits through the generalized JSD (:mod:`.jsd`), TAID (:mod:`.taid`) or
+   entropy-aware OPD (:mod:`.entropy_opd`). Mean over response tokens.
+3. ``trace_replay_dpo`` (trace-replay preference): DPO or SimPO (:mod:`.dpo`) on
+   ``dpo_chosen_*`` / ``dpo_rejected_*`` pairs. Mean over pairs.
+
+A channel whose weight is 0, or whose inputs are absent (missing, ``None`` or empty tensors),
+contributes an exact fp32 zero and runs no forward pass; with both weights 0 ``total`` is ``lm_ce``
+itself, bit for bit what ``transformers`` computes for ``labels`` masked to the response.
+The model's mode (train/eval) is left as it is for the teacher pass. Loss math runs in fp32 with
+autocast disabled; the forward passes run under whatever autocast the caller set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from diloco_serverless.loss._batch import (
+    SequenceInputs,
+    check_has_response,
+    check_ref_logprobs,
+    check_same_rows,
+    is_absent,
+    sequence_inputs,
+)
+from diloco_serverless.loss.dpo import check_positive, check_variant, dpo_loss, simpo_loss
+from diloco_serverless.loss.entropy_opd import check_h_max, entropy_opd_loss
+from diloco_serverless.loss.jsd import check_jsd_beta, generalized_jsd
+from diloco_serverless.loss.logprobs import causal_lm_logits, fp32_math, response_ce, scored_logits, token_logprobs
+from diloco_serverless.loss.taid import check_taid_t, taid_loss
+
+SDPO_WRAPPERS = ("none", "taid", "entropy_opd")
+_TEACHER_KEYS = ("ctx_teacher_input_ids", "ctx_teacher_attention_mask", "ctx_teacher_response_mask")
+_PAIR_KEYS = ("dpo_chosen_input_ids", "dpo_rejected_input_ids")
+
+
+@dataclass(frozen=True)
+class LossComponents:
+    """The total loss (differentiable) and its three channels, each an fp32 scalar tensor.
+
+    ``sdpo_jsd`` and ``trace_replay_dpo`` are unweighted; a disabled channel is an exact 0.
+    """
+
+    total: torch.Tensor
+    lm_ce: torch.Tensor
+    sdpo_jsd: torch.Tensor
+    trace_replay_dpo: torch.Tensor
+
+    def to_floats(self) -> dict[str, float]:
+        """Detached Python floats for metrics and heartbeats."""
+        return {name: float(getattr(self, name).detach()) for name in ("total", "lm_ce", "sdpo_jsd", "trace_replay_dpo")}
+
+
+@dataclass(frozen=True)
+class _Settings:
+    alpha_sdpo: float
+    beta_replay: float
+    dpo_variant: str
+    dpo_beta: float
+    simpo_beta: float
+    simpo_gamma: float
+    jsd_beta: float
+    sdpo_wrapper: str
+    taid_t: float | None
+    entropy_opd_h_max: float | None
+
+
+def compose_loss(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    alpha_sdpo: float = 0.0,
+    beta_replay: float = 0.0,
+    dpo_variant: str = "dpo",
+    dpo_beta: float = 0.1,
+    simpo_beta: float = 2.0,
+    simpo_gamma: float = 1.0,
+    jsd_beta: float = 0.5,
+    sdpo_wrapper: str = "none",
+    taid_t: float | None = None,
+    entropy_opd_h_max: float | None = None,
+) -> LossComponents:
+    """Compute ``total = lm_ce + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo``.
+
+    ``model`` is any causal LM returning ``.logits`` (``transformers`` or compatible); ``batch`` holds
+    the keys listed in the package docstring. Raises ``ValueError`` naming the argument or batch key
+    (and shapes) for: an unknown ``dpo_variant`` / ``sdpo_wrapper``, a weight < 0 or non-finite,
+    ``jsd_beta`` / ``taid_t`` outside ``[0, 1]``, ``taid_t`` missing with ``sdpo_wrapper='taid'``,
+    masks whose shape differs from their ids, row counts that disagree, a teacher row scoring a
+    different number of response tokens than the student row, a response mask with no tokens, or
+    reference log-probs that are not ``[B]``.
+    """
+    settings = _validate_settings(
+        alpha_sdpo=alpha_sdpo, beta_replay=beta_replay, dpo_variant=dpo_variant, dpo_beta=dpo_beta,
+        simpo_beta=simpo_beta, simpo_gamma=simpo_gamma, jsd_beta=jsd_beta, sdpo_wrapper=sdpo_wrapper,
+        taid_t=taid_t, entropy_opd_h_max=entropy_opd_h_max,
+    )  # fmt: skip
+    student = sequence_inputs(batch, "", "by the language-modelling channel")
+    check_has_response(student, per_row=False)
+    logits = causal_lm_logits(model, student.input_ids, student.attention_mask)
+    lm_ce = response_ce(logits, student.input_ids, student.response_mask)
+    total, sdpo, replay = lm_ce, _zero(lm_ce), _zero(lm_ce)
+    if settings.alpha_sdpo != 0.0 and not is_absent(batch, _TEACHER_KEYS[0]):
+        sdpo = _sdpo_channel(model, batch, student, logits, settings)
+        total = total + settings.alpha_sdpo * sdpo
+    if settings.beta_replay != 0.0 and not all(is_absent(batch, key) for key in _PAIR_KEYS):
+        replay = _replay_channel(model, batch, settings)
+        total = total + settings.beta_replay * replay
+    return LossComponents(total=total, lm_ce=lm_ce, sdpo_jsd=sdpo, trace_replay_dpo=replay)
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=like.device)
+
+
+def _check_weight(name: str, value: float) -> float:
+    out = float(value)
+    if not math.isfinite(out) or out < 0.0:
+        raise ValueError(f"{name} must be a finite weight >= 0 (0 turns the channel off), got {value!r}")
+    return out
+
+
+def _validate_settings(**kw: Any) -> _Settings:
+    """Check every keyword up front, whether or not its channel is live this call."""
+    if kw["sdpo_wrapper"] not in SDPO_WRAPPERS:
+        raise ValueError(f"sdpo_wrapper must be one of {SDPO_WRAPPERS}, got {kw['sdpo_wrapper']!r}")
+    taid_t = check_taid_t(kw["taid_t"]) if kw["sdpo_wrapper"] == "taid" else None
+    if kw["sdpo_wrapper"] != "taid" and kw["taid_t"] is not None:
+        check_taid_t(kw["taid_t"])
+    gamma = float(kw["simpo_gamma"])
+    if not math.isfinite(gamma):
+        raise ValueError(f"simpo_gamma must be finite, got {kw['simpo_gamma']!r}")
+    return _Settings(
+        alpha_sdpo=_check_weight("alpha_sdpo", kw["alpha_sdpo"]),
+        beta_replay=_check_weight("beta_replay", kw["beta_replay"]),
+        dpo_variant=check_variant(kw["dpo_variant"]),
+        dpo_beta=check_positive("dpo_beta", kw["dpo_beta"]),
+        simpo_beta=check_positive("simpo_beta", kw["simpo_beta"]),
+        simpo_gamma=gamma,
+        jsd_beta=check_jsd_beta(kw["jsd_beta"]),
+        sdpo_wrapper=kw["sdpo_wrapper"],
+        taid_t=taid_t,
+        entropy_opd_h_max=check_h_max(kw["entropy_opd_h_max"]),
+    )
+
+
+def _check_row_counts(student: SequenceInputs, teacher: SequenceInputs) -> None:
+    """``ValueError`` naming the first row whose two response masks score different token counts."""
+    s_counts, t_counts = student.tokens_per_row, teacher.tokens_per_row.to(student.input_ids.device)
+    bad = (s_counts != t_counts).nonzero()
+    if bad.numel():
+        row = int(bad[0, 0])
+        raise ValueError(
+            f"row {row}: 'response_mask' scores {int(s_counts[row])} response tokens but "
+            f"'ctx_teacher_response_mask' scores {int(t_counts[row])} (shapes "
+            f"{tuple(student.response_mask.shape)} and {tuple(teacher.response_mask.shape)}); "
+            "the teacher context must end with the same response as the student"
+        )
+
+
+def _sdpo_channel(
+    model: nn.Module, batch: Mapping[str, Any], student: SequenceInputs, logits: torch.Tensor, s: _Settings
+) -> torch.Tensor:
+    """Mean per-token divergence between the hinted teacher pass and the student's logits."""
+    teacher = sequence_inputs(batch, "ctx_teacher_", "by the hint self-distillation channel (alpha_sdpo > 0)")
+    check_same_rows("input_ids", student.input_ids, teacher.ids_key, teacher.input_ids)
+    _check_row_counts(student, teacher)
+    with fp32_math(logits.device):
+        student_sel = scored_logits(logits, student.scored)
+    if s.sdpo_wrapper == "taid" and s.taid_t == 0.0:
+        teacher_sel = student_sel.detach()  # TAID at t = 0 never reads the teacher: skip its forward.
+    else:
+        with torch.no_grad():
+            teacher_logits = causal_lm_logits(model, teacher.input_ids, teacher.attention_mask)
+            teacher_sel = scored_logits(teacher_logits, teacher.scored.to(teacher_logits.device))
+    with fp32_math(logits.device):
+        teacher_sel = teacher_sel.to(student_sel.device)
+        if s.sdpo_wrapper == "taid":
+            per_token = taid_loss(student_sel, teacher_sel, s.taid_t)  # type: ignore[arg-type]
+        elif s.sdpo_wrapper == "entropy_opd":
+            per_token = entropy_opd_loss(student_sel, teacher_sel, s.entropy_opd_h_max)
+        else:
+            per_token = generalized_jsd(student_sel, teacher_sel, s.jsd_beta)
+        return per_token.mean()
+
+
+def _pair_token_logprobs(
+    model: nn.Module, chosen: SequenceInputs, rejected: SequenceInputs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of both sides; one forward pass when their lengths agree, else two."""
+    if chosen.input_ids.shape == rejected.input_ids.shape:
+        ids = torch.cat([chosen.input_ids, rejected.input_ids.to(chosen.input_ids.device)])
+        mask = torch.cat([chosen.attention_mask, rejected.attention_mask.to(chosen.attention_mask.device)])
+        logits = causal_lm_logits(model, ids, mask)
+        rows = chosen.input_ids.shape[0]
+        return token_logprobs(logits[:rows], chosen), token_logprobs(logits[rows:], rejected)
+    lp_c = token_logprobs(causal_lm_logits(model, chosen.input_ids, chosen.attention_mask), chosen)
+    lp_r = token_logprobs(causal_lm_logits(model, rejected.input_ids, rejected.attention_mask), rejected)
+    return lp_c, lp_r
+
+
+def _replay_channel(model: nn.Module, batch: Mapping[str, Any], s: _Settings) -> torch.Tensor:
+    """Mean DPO / SimPO loss over the ``dpo_chosen_*`` / ``dpo_rejected_*`` pairs."""
+    why = "by the trace-replay channel (beta_replay > 0)"
+    chosen = sequence_inputs(batch, "dpo_chosen_", why)
+    rejected = sequence_inputs(batch, "dpo_rejected_", why)
+    check_same_rows(chosen.ids_key, chosen.input_ids, rejected.ids_key, rejected.input_ids)
+    check_has_response(chosen, per_row=True)
+    check_has_response(rejected, per_row=True)
+    rows = chosen.input_ids.shape[0]
+    if s.dpo_variant == "dpo":
+        ref_c = check_ref_logprobs(batch, "dpo_chosen_ref_logprobs", rows, chosen.ids_key)
+        ref_r = check_ref_logprobs(batch, "dpo_rejected_ref_logprobs", rows, chosen.ids_key)
+    lp_c, lp_r = _pair_token_logprobs(model, chosen, rejected)
+    with fp32_math(lp_c.device):
+        sum_c, sum_r = lp_c.sum(dim=1), lp_r.sum(dim=1).to(lp_c.device)
+        if s.dpo_variant == "dpo":
+            per_pair = dpo_loss(sum_c, sum_r, ref_c.to(lp_c.device), ref_r.to(lp_c.device), s.dpo_beta)
+        else:
+            avg_c = sum_c / chosen.tokens_per_row.to(lp_c.device)
+            avg_r = sum_r / rejected.tokens_per_row.to(lp_c.device)
+            per_pair = simpo_loss(avg_c, avg_r, s.simpo_beta, s.simpo_gamma)
+        return per_pair.mean()
