@@ -1,0 +1,146 @@
+"""Key layout of an exchange round and a byte-counting view of the store.
+
+Layout under ``<store_url>/<run_id>/`` (CONTRACTS.md, DESIGN.md "A run in the store")::
+
+    rounds/<round:08d>/ready/rank-<r>             JSON ReadyMarker, written after all of r's contributions
+    rounds/<round:08d>/quorum.json                create-only: participants + their markers
+    rounds/<round:08d>/contrib/<shard:04d>/rank-<r>
+    rounds/<round:08d>/reduced/<shard:04d>        create-only: the averaged shard
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from diloco_serverless.store import ObjectStore
+
+ROUNDS = "rounds"
+_RANK_RE = re.compile(r"rank-(\d+)$")
+_SHARD_RE = re.compile(r"/(\d{4,})$")
+
+
+def round_prefix(round: int) -> str:
+    return f"{ROUNDS}/{round:08d}"
+
+
+def ready_prefix(round: int) -> str:
+    return f"{round_prefix(round)}/ready"
+
+
+def ready_key(round: int, rank: int) -> str:
+    return f"{ready_prefix(round)}/rank-{rank}"
+
+
+def quorum_key(round: int) -> str:
+    return f"{round_prefix(round)}/quorum.json"
+
+
+def contrib_key(round: int, shard: int, rank: int) -> str:
+    return f"{round_prefix(round)}/contrib/{shard:04d}/rank-{rank}"
+
+
+def reduced_prefix(round: int) -> str:
+    return f"{round_prefix(round)}/reduced"
+
+
+def reduced_key(round: int, shard: int) -> str:
+    return f"{reduced_prefix(round)}/{shard:04d}"
+
+
+def ranks_in(keys: Sequence[str]) -> set[int]:
+    """Ranks named by ``.../rank-<r>`` keys (others are ignored)."""
+    out: set[int] = set()
+    for k in keys:
+        m = _RANK_RE.search(k)
+        if m:
+            out.add(int(m.group(1)))
+    return out
+
+
+def shards_in(keys: Sequence[str]) -> set[int]:
+    """Shard numbers named by ``.../reduced/<shard>`` keys (others are ignored)."""
+    out: set[int] = set()
+    for k in keys:
+        m = _SHARD_RE.search(k)
+        if m:
+            out.add(int(m.group(1)))
+    return out
+
+
+def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
+    """Split ``numel`` elements into ``shards`` contiguous ranges whose sizes differ by at most one."""
+    base, extra = divmod(numel, shards)
+    out, start = [], 0
+    for j in range(shards):
+        end = start + base + (1 if j < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+class CountingStore:
+    """Thin view of an :class:`ObjectStore` that counts payload bytes moved (for ``RoundStats``).
+
+    Counts object bodies only (PUT and GET); listings and existence checks are not counted.
+    Thread-safe. Errors from the store propagate unchanged.
+    """
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self.bytes_up = 0
+        self.bytes_down = 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_up = self.bytes_down = 0
+
+    def _add(self, up: int = 0, down: int = 0) -> None:
+        with self._lock:
+            self.bytes_up += up
+            self.bytes_down += down
+
+    def put(self, key: str, data: bytes) -> None:
+        self.store.put(key, data)
+        self._add(up=len(data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        created = self.store.put_if_absent(key, data)
+        self._add(up=len(data))
+        return created
+
+    def get(self, key: str) -> bytes:
+        data = self.store.get(key)
+        self._add(down=len(data))
+        return data
+
+    def get_many(self, keys: Sequence[str], *, missing_ok: bool = False) -> dict[str, bytes]:
+        if not keys:
+            return {}
+        out = self.store.get_many(list(keys), missing_ok=missing_ok)
+        self._add(down=sum(len(v) for v in out.values()))
+        return out
+
+    def get_json(self, key: str) -> Any:
+        return json.loads(self.get(key).decode("utf-8"))
+
+    def put_json(self, key: str, obj: Any) -> None:
+        self.put(key, json_bytes(obj))
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.store.list(prefix)
+
+    def delete(self, key: str, *, recursive: bool = False) -> None:
+        self.store.delete(key, recursive=recursive)
+
+
+def json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
