@@ -1,0 +1,312 @@
+"""The ServerlessExecutor protocol: launch N replicas somewhere, then poll, collect, cancel, read logs.
+
+An executor starts ``python -m <entrypoint> <args...>`` once per rank with ``REPLICA_RANK`` (and
+``DILOCO_ATTEMPT`` where the backend can tell) in the environment. Everything a later process needs
+to find the replicas again is in the JSON-serialisable :class:`ReplicaHandle`, which the launcher
+records in the run's ``run.json``; ``diloco status/logs/cancel`` rebuild an executor from the handle's
+``kind`` (see :func:`diloco_serverless.executors.executor_for_handle`) and never need the launching
+process. Credentials are never part of a handle.
+
+Failure: :meth:`ServerlessExecutor.collect` raises :class:`ReplicaFailedError` naming every failed or
+cancelled rank with its exit code or remote exception and the tail of its log; a timeout raises
+:class:`CollectTimeout` naming the ranks still running (they are not cancelled).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
+
+
+class ExecutorError(RuntimeError):
+    """Base class for executor errors; the message names the executor, rank or job involved."""
+
+
+class ExecutorUnavailable(ExecutorError):
+    """An executor cannot be used as configured (missing SDK, missing credentials, unknown GPU/flavor).
+
+    Raised from ``__init__`` before anything is launched or billed; the message says what to change.
+    """
+
+
+class CollectTimeout(ExecutorError, TimeoutError):
+    """``collect`` ran out of time; ``pending_ranks`` are still running and were not cancelled."""
+
+    def __init__(self, message: str, pending_ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.pending_ranks = list(pending_ranks)
+
+
+class ReplicaStatus(str, Enum):
+    """Lifecycle of one replica. ``str`` valued so it serialises to JSON as a plain string."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """True once the replica will not run again (succeeded, failed or cancelled)."""
+        return self in (ReplicaStatus.SUCCEEDED, ReplicaStatus.FAILED, ReplicaStatus.CANCELLED)
+
+
+@dataclass(frozen=True)
+class ReplicaHandle:
+    """Where one replica runs. ``data`` is executor specific and JSON-serialisable; no secrets."""
+
+    kind: str
+    rank: int
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """A flat JSON object ``{"kind", "rank", **data}`` (the form recorded in ``run.json``)."""
+        return {"kind": self.kind, "rank": self.rank, **dict(self.data)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any] | str) -> "ReplicaHandle":
+        """Inverse of :meth:`to_json`; accepts the dict or its JSON text."""
+        if isinstance(obj, str):
+            obj = json.loads(obj)
+        if not isinstance(obj, Mapping) or "kind" not in obj or "rank" not in obj:
+            raise ValueError(f"not a replica handle (needs 'kind' and 'rank'): {obj!r}")
+        data = {k: v for k, v in obj.items() if k not in ("kind", "rank")}
+        return cls(kind=str(obj["kind"]), rank=int(obj["rank"]), data=data)
+
+
+def handle_from_json(obj: Mapping[str, Any] | str | ReplicaHandle) -> ReplicaHandle:
+    """Rebuild a :class:`ReplicaHandle` from its JSON form (a handle is returned unchanged)."""
+    if isinstance(obj, ReplicaHandle):
+        return obj
+    return ReplicaHandle.from_json(obj)
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """A point-in-time view of one replica, as returned by ``poll``."""
+
+    rank: int
+    status: ReplicaStatus
+    reason: str | None = None
+    exit_code: int | None = None
+    attempt: int = 0
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status.terminal
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "status": self.status.value,
+            "reason": self.reason,
+            "exit_code": self.exit_code,
+            "attempt": self.attempt,
+            **dict(self.detail),
+        }
+
+
+@dataclass(frozen=True)
+class ReplicaResult:
+    """The outcome of one replica once it is terminal, as returned by ``collect``."""
+
+    rank: int
+    status: ReplicaStatus
+    exit_code: int | None = None
+    reason: str | None = None
+    attempt: int = 0
+    log_tail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ReplicaStatus.SUCCEEDED
+
+    def describe(self) -> str:
+        """One line: ``rank 2 failed (exit code 1): <reason>``."""
+        parts = [f"rank {self.rank} {self.status.value}"]
+        if self.exit_code is not None:
+            parts.append(f"(exit code {self.exit_code})")
+        if self.reason:
+            parts.append(f": {self.reason}")
+        return " ".join(parts).replace(" :", ":")
+
+
+class ReplicaFailedError(ExecutorError):
+    """One or more replicas failed or were cancelled. ``results`` holds every rank's result."""
+
+    def __init__(self, results: Sequence[ReplicaResult], *, kind: str = "") -> None:
+        self.results = list(results)
+        self.failed = [r for r in self.results if not r.ok]
+        super().__init__(format_failures(self.failed, kind=kind))
+
+
+def format_failures(failed: Sequence[ReplicaResult], *, kind: str = "", tail_lines: int = 20) -> str:
+    """The text of :class:`ReplicaFailedError`: every failed rank, its cause and its log tail."""
+    where = f" ({kind} executor)" if kind else ""
+    ranks = ", ".join(str(r.rank) for r in failed)
+    lines = [f"{len(failed)} replica(s) did not succeed{where}: rank(s) {ranks}"]
+    for r in failed:
+        lines.append(f"- {r.describe()}")
+        tail = [ln for ln in r.log_tail.splitlines() if ln.strip()][-tail_lines:]
+        if tail:
+            lines.append(f"  last {len(tail)} log line(s) of rank {r.rank}:")
+            lines.extend(f"    | {ln}" for ln in tail)
+    lines.append("Fix the cause above, then relaunch (replicas resume from the latest checkpoint).")
+    return "\n".join(lines)
+
+
+@runtime_checkable
+class ServerlessExecutor(Protocol):
+    """Launches and tracks the N replicas of a run (local processes, Modal, Hugging Face Jobs).
+
+    ``entrypoint`` is a Python module run as ``python -m <entrypoint> *entrypoint_args``; ``env`` is
+    added to each replica's environment together with ``REPLICA_RANK``. Handles returned by
+    ``launch_replicas`` are JSON-serialisable and can be used by a different process (or a new
+    executor instance of the same ``kind``) to poll, collect, cancel or read logs.
+    """
+
+    kind: str
+
+    def launch_replicas(
+        self,
+        n_replicas: int,
+        entrypoint: str,
+        entrypoint_args: Sequence[str],
+        env: Mapping[str, str] | None = None,
+    ) -> list[ReplicaHandle]: ...
+
+    def poll(self, handles: Sequence[ReplicaHandle]) -> list[ReplicaState]: ...
+
+    def collect(
+        self, handles: Sequence[ReplicaHandle], timeout: float | timedelta | None = None
+    ) -> list[ReplicaResult]: ...
+
+    def cancel(self, handles: Sequence[ReplicaHandle]) -> None: ...
+
+    def logs(self, handle: ReplicaHandle, tail: int | None = 200) -> str: ...
+
+
+def timeout_seconds(timeout: float | timedelta | None) -> float | None:
+    """Normalise a ``collect`` timeout (seconds or timedelta) to seconds; ``None`` waits forever."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def collect_by_polling(
+    executor: ServerlessExecutor,
+    handles: Sequence[ReplicaHandle],
+    timeout: float | timedelta | None,
+    *,
+    poll_interval_s: float = 1.0,
+    tail: int = 40,
+    raise_on_failure: bool = True,
+) -> list[ReplicaResult]:
+    """Poll until every replica is terminal, then build results (with log tails for failures).
+
+    Raises :class:`CollectTimeout` if ``timeout`` passes first (replicas keep running) and
+    :class:`ReplicaFailedError` if any replica failed or was cancelled (unless ``raise_on_failure``
+    is False, in which case the results are returned as they are).
+    """
+    timeout_s = timeout_seconds(timeout)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        states = executor.poll(handles)
+        pending = [s.rank for s in states if not s.terminal]
+        if not pending:
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            raise CollectTimeout(
+                f"{executor.kind} executor: rank(s) {pending} still running after {timeout_s:.0f} s; "
+                "they were not cancelled (call cancel() or `diloco cancel RUN_URL` to stop them)",
+                pending,
+            )
+        sleep_s = poll_interval_s if deadline is None else min(poll_interval_s, max(0.0, deadline - time.monotonic()))
+        time.sleep(sleep_s)
+    by_rank = {h.rank: h for h in handles}
+    results = [_result_from_state(executor, by_rank[s.rank], s, tail) for s in states]
+    if raise_on_failure and any(not r.ok for r in results):
+        raise ReplicaFailedError(results, kind=executor.kind)
+    return results
+
+
+def _result_from_state(
+    executor: ServerlessExecutor, handle: ReplicaHandle, state: ReplicaState, tail: int
+) -> ReplicaResult:
+    log_tail = ""
+    if state.status is not ReplicaStatus.SUCCEEDED:
+        try:
+            log_tail = executor.logs(handle, tail=tail)
+        except Exception as exc:  # logs are best effort: the failure itself must still be reported
+            log_tail = f"(could not read the log of rank {handle.rank}: {exc})"
+    return ReplicaResult(
+        rank=state.rank,
+        status=state.status,
+        exit_code=state.exit_code,
+        reason=state.reason,
+        attempt=state.attempt,
+        log_tail=log_tail,
+    )
+
+
+# --- environment helpers shared by the executors ------------------------------------------------
+
+#: Storage credential variables forwarded as secrets (never as plain environment) by remote executors.
+STORAGE_SECRET_ENV: tuple[str, ...] = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "GOOGLE_APPLICATION_CREDENTIALS_JSON",
+    "DILOCO_STORAGE_OPTIONS",
+)
+
+_SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|_KEY$|_KEY_ID$)", re.IGNORECASE)
+
+
+def looks_secret(name: str) -> bool:
+    """True for environment names that may carry credentials (values must go through secrets)."""
+    return name in STORAGE_SECRET_ENV or bool(_SECRET_NAME.search(name))
+
+
+def split_secret_env(env: Mapping[str, str] | None) -> tuple[dict[str, str], dict[str, str]]:
+    """Split ``env`` into (plain, secret) by :func:`looks_secret`."""
+    plain: dict[str, str] = {}
+    secret: dict[str, str] = {}
+    for name, value in (env or {}).items():
+        (secret if looks_secret(name) else plain)[name] = str(value)
+    return plain, secret
+
+
+def run_url_from(env: Mapping[str, str] | None, entrypoint_args: Sequence[str]) -> str | None:
+    """The run URL from ``--run-url URL`` / ``--run-url=URL`` in the args, else ``DILOCO_RUN_URL``."""
+    args = list(entrypoint_args)
+    for i, arg in enumerate(args):
+        if arg == "--run-url" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--run-url="):
+            return arg.split("=", 1)[1]
+    return (env or {}).get("DILOCO_RUN_URL")
+
+
+def run_id_from_url(run_url: str | None) -> str | None:
+    """The last path component of a run URL (the run id), or None."""
+    if not run_url:
+        return None
+    tail = run_url.rstrip("/").rsplit("/", 1)[-1]
+    return tail or None
+
+
+def check_replica_count(n_replicas: int, kind: str) -> None:
+    """Refuse ``n_replicas < 1`` before anything is launched."""
+    if not isinstance(n_replicas, int) or n_replicas < 1:
+        raise ValueError(f"{kind} executor: n_replicas must be a positive integer, got {n_replicas!r}")
