@@ -99,7 +99,7 @@ class DataConfig(_Section):
     seq_len: int = Field(128, ge=16, le=32768, description="Tokens per student sequence (prompt + response).")
     batch_size: int = Field(8, ge=1, description="Sequences per inner step per replica.")
     prompt_len: int = Field(
-        32, ge=0, description="stdlib corpus: tokens of preceding code used as the prompt (must be < seq_len)."
+        32, ge=1, description="stdlib corpus: max tokens of preceding code used as the prompt (must be < seq_len)."
     )
     hint_len: int = Field(
         64, ge=0, description="Max tokens of the hint (file path + module docstring) the self-distillation teacher sees."
@@ -128,7 +128,7 @@ class InnerConfig(_Section):
     grad_clip: float = Field(1.0, ge=0.0, description="Max global grad norm per inner step; 0 disables clipping.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
     sync_every: int = Field(
-        20, ge=1, description="H: inner steps per round (between outer syncs of the whole model)."
+        16, ge=1, description="H: inner steps per round (between outer syncs of the whole model)."
     )
 
     @field_validator("betas")
