@@ -1,0 +1,294 @@
+"""The Python API: ``launch(config, executor=...) -> Run`` and ``Run.attach(url)``.
+
+::
+
+    from diloco_serverless import RunConfig, launch
+    run = launch(RunConfig.load(None, ["rounds=4"]), executor="local")
+    summary = run.wait()          # RunStatus; raises RunFailed naming the failed ranks
+    print(summary.eval_loss, summary.final_url)
+
+A run lives in the store (``<store>/<run_id>``), so ``Run.attach(url)`` in another process sees
+the same status, logs and handles, and can cancel it. ``launch`` checks everything it can *before*
+creating the run or starting a replica (see :mod:`diloco_serverless.preflight`): executor and GPU
+type, SDK and tokens, the store (a probe object is written, read back and deleted), the config.
+
+Failure: bad input raises :class:`LaunchError` (a ``ValueError``) with a one-line fix and leaves
+nothing behind; a replica that fails for good makes :meth:`Run.wait` raise :class:`RunFailed`
+naming the rank and reason; :meth:`Run.wait` with ``max_usd`` cancels the run and raises
+:class:`BudgetExceeded` before the estimate crosses the budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from diloco_serverless import pricing
+from diloco_serverless.config import RunConfig
+from diloco_serverless.executor_glue import (
+    executor_from_launch, executor_kind, handle_rank, launch_replicas, poll_states,
+)
+from diloco_serverless.plot import curves, plot_losses
+from diloco_serverless.preflight import LaunchError, check_launch, one_line, resolve_config
+from diloco_serverless.run import (
+    FINAL_PREFIX, RunRecord, create_run, load_run, log_key, read_members, read_metrics,
+    record_launch,
+)
+from diloco_serverless.status import (
+    CANCELLED, FAILED, RunStatus, billed_seconds, build_replica, run_state,
+)
+from diloco_serverless.store import ObjectStore
+
+__all__ = ["launch", "Run", "LaunchError", "RunFailed", "BudgetExceeded"]
+
+#: A running replica whose heartbeat is older than this is shown as ``stale``.
+STALE_AFTER_S = 300.0
+
+
+class RunFailed(RuntimeError):
+    """The run ended with failed (or cancelled) replicas; ``status`` holds the final RunStatus."""
+
+    def __init__(self, message: str, status: RunStatus) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BudgetExceeded(RunFailed):
+    """``max_usd`` would have been exceeded, so the run was cancelled."""
+
+
+class Run:
+    """A handle on one run in the store: status, wait, cancel, logs, metrics, plot.
+
+    Build it with :func:`launch` or :meth:`Run.attach`; both are cheap to repeat.
+    """
+
+    def __init__(self, store: ObjectStore, record: RunRecord, executor: Any | None = None,
+                 executor_error: str | None = None) -> None:
+        self._store = store
+        self.record = record
+        self._executor = executor
+        self._executor_error = executor_error
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def url(self) -> str:
+        """``<store_url>/<run_id>``: pass it to ``diloco status`` or :meth:`Run.attach`."""
+        return self._store.url
+
+    @property
+    def run_id(self) -> str:
+        return self.record.run_id
+
+    @property
+    def config(self) -> RunConfig:
+        return self.record.config
+
+    @property
+    def handles(self) -> list[dict[str, Any]]:
+        """Executor handles recorded in run.json (empty before launch)."""
+        return list((self.record.launch or {}).get("handles", []))
+
+    @property
+    def executor_kind(self) -> str | None:
+        return (self.record.launch or {}).get("executor")
+
+    @property
+    def gpu(self) -> str | None:
+        return (self.record.launch or {}).get("gpu")
+
+    def __repr__(self) -> str:
+        return f"Run({self.url!r})"
+
+    @classmethod
+    def attach(cls, url: str, *, executor: Any | None = None,
+               storage_options: dict[str, Any] | None = None) -> Run:
+        """Open an existing run. Raises ``RunNotFound`` (a FileNotFoundError) if there is none.
+
+        The executor is rebuilt from the launch record; when its SDK or token is missing here
+        (e.g. a Modal run looked at from a laptop without ``modal``), status falls back to
+        heartbeats and :meth:`cancel` raises a LaunchError saying what to install.
+        """
+        store, record = load_run(url, storage_options)
+        error = None
+        if executor is None and record.launch:
+            executor, error = executor_from_launch(record.launch)
+        return cls(store, record, executor, error)
+
+    # ------------------------------------------------------------------ reading
+    def refresh(self) -> None:
+        """Re-read run.json (the launch record may have changed)."""
+        self._store, self.record = load_run(self._store)
+
+    def metrics(self) -> dict[int, list[dict[str, Any]]]:
+        """Every metrics record, grouped by rank, each list sorted by round."""
+        out: dict[int, list[dict[str, Any]]] = {}
+        for rec in read_metrics(self._store):
+            out.setdefault(int(rec.get("rank", -1)), []).append(rec)
+        return out
+
+    def status(self, *, now: float | None = None) -> RunStatus:
+        """Per-replica state (executor poll + heartbeat), totals and estimated spend."""
+        now = time.time() if now is None else now
+        members = {r: hb.to_json_dict() for r, hb in read_members(self._store).items()}
+        states = poll_states(self._executor, self.handles) if self.handles else {}
+        n = self.config.replicas
+        replicas = [build_replica(r, states.get(r), members.get(r), now, STALE_AFTER_S) for r in range(n)]
+        start = _launched_at(self.record)
+        elapsed = max(0.0, now - start) if start is not None else 0.0
+        if not self.handles:
+            elapsed = 0.0
+        metrics = self.metrics()
+        _, eval_curve = curves(metrics)
+        price = self.usd_per_replica_hour
+        est = None if price is None else price * sum(billed_seconds(replicas, elapsed)) / 3600.0
+        final = f"{self.url}/{FINAL_PREFIX}" if self._has_final() else None
+        return RunStatus(
+            run_id=self.run_id, url=self.url, executor=self.executor_kind, gpu=self.gpu,
+            rounds_total=self.config.rounds, replicas=replicas,
+            state=run_state(replicas, self.config.effective_min_replicas), elapsed_s=elapsed,
+            est_usd=est, eval_loss=eval_curve[-1][1] if eval_curve else None, final_url=final,
+            failures=[(r.rank, r.reason or r.state) for r in replicas if r.state == FAILED],
+        )
+
+    def _has_final(self) -> bool:
+        return bool(self._store.list(FINAL_PREFIX + "/"))
+
+    def logs(self, rank: int, *, tail: int | None = None) -> str:
+        """Rank ``rank``'s log: from the executor, else ``<run>/logs/rank-<r>.log`` in the store."""
+        self._check_rank(rank)
+        handle = next((h for h in self.handles if handle_rank(h) == rank), None)
+        text: str | None = None
+        if self._executor is not None and handle is not None:
+            text = self._executor.logs(handle, tail=tail)
+        if text is None:
+            key = log_key(rank)
+            if not self._store.exists(key):
+                raise LaunchError(f"no log for rank {rank} of {self.url} yet; the replica may not have started")
+            text = self._store.get(key).decode("utf-8", errors="replace")
+            if tail is not None:
+                text = "".join(text.splitlines(keepends=True)[-tail:])
+        return text
+
+    def _check_rank(self, rank: int) -> None:
+        n = self.config.replicas
+        if not 0 <= rank < n:
+            raise LaunchError(f"rank {rank} is not in run {self.run_id}: it has ranks 0..{n - 1}")
+
+    def plot(self, out: str | Path) -> Path:
+        """Write the loss curves PNG (see :func:`diloco_serverless.plot.plot_losses`)."""
+        return plot_losses(self.metrics(), out, title=self.run_id)
+
+    # ------------------------------------------------------------------ control
+    def cancel(self) -> None:
+        """Cancel every replica through the executor recorded in run.json."""
+        if not self.handles:
+            raise LaunchError(f"run {self.url} has no launched replicas to cancel")
+        if self._executor is None:
+            raise LaunchError(f"cannot cancel {self.url}: {self._executor_error or 'no executor'}")
+        self._executor.cancel(self.handles)
+
+    def wait(self, *, timeout_s: float | None = None, poll_interval_s: float = 2.0,
+             on_update: Callable[[RunStatus], None] | None = None,
+             max_usd: float | None = None) -> RunStatus:
+        """Poll until the run ends; return its final RunStatus.
+
+        Raises RunFailed naming every failed rank (with the executor's reason), BudgetExceeded
+        after cancelling the run when the next poll interval could cross ``max_usd``, and
+        TimeoutError (the run keeps going) after ``timeout_s``.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        price = self.usd_per_replica_hour or 0.0
+        while True:
+            status = self.status()
+            if on_update is not None:
+                on_update(status)
+            if status.done:
+                return self._finish(status)
+            if max_usd is not None and _over_budget(status, price, poll_interval_s, max_usd):
+                self.cancel()
+                raise BudgetExceeded(
+                    f"cancelled run {self.run_id}: estimated spend {status.est_usd or 0:.2f} USD would "
+                    f"exceed --max-usd {max_usd:.2f} before the next check; raise --max-usd to go further",
+                    status)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.url} still {status.state} after {timeout_s:.0f}s; it keeps running")
+            time.sleep(poll_interval_s)
+
+    @property
+    def usd_per_replica_hour(self) -> float | None:
+        """Price of one replica-hour recorded at launch (from :mod:`pricing`), or None if unknown."""
+        launch = self.record.launch or {}
+        if launch.get("usd_per_replica_hour") is not None:
+            return float(launch["usd_per_replica_hour"])
+        return _price_of(self.executor_kind, self.gpu, None)
+
+    def _finish(self, status: RunStatus) -> RunStatus:
+        if status.state == FAILED or status.failures:
+            detail = "; ".join(f"rank {r}: {why}" for r, why in status.failures) or "see `diloco logs`"
+            raise RunFailed(f"run {self.run_id} failed: {detail}", status)
+        if status.state == CANCELLED:
+            raise RunFailed(f"run {self.run_id} was cancelled", status)
+        return status
+
+
+def _over_budget(status: RunStatus, usd_per_hour: float, horizon_s: float, max_usd: float) -> bool:
+    live = sum(not r.state in ("succeeded", "failed", "cancelled") for r in status.replicas)
+    return pricing.would_exceed(status.est_usd or 0.0, usd_per_hour, live, horizon_s * 2, max_usd)
+
+
+def _price_of(kind: str | None, gpu: str | None, executor: Any | None) -> float | None:
+    """USD per replica-hour: the executor's own ``usd_per_replica_hour`` or the price table's."""
+    own = getattr(executor, "usd_per_replica_hour", None)
+    if isinstance(own, (int, float)):
+        return float(own)
+    if kind not in pricing.PRICE_TABLES:
+        return None
+    try:
+        return pricing.usd_per_replica_hour(kind, gpu)
+    except pricing.UnknownGPU:
+        return None
+
+
+def _launched_at(record: RunRecord) -> float | None:
+    from datetime import datetime
+
+    stamp = (record.launch or {}).get("launched_at") or record.created_at
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def launch(config: RunConfig | str | Path | None = None, executor: Any = "local", *,
+           overrides: Sequence[str] = (), replicas: int | None = None, store: str | None = None,
+           run_id: str | None = None, gpu: str | None = None,
+           store_from_terraform: str | Path | None = None,
+           executor_options: dict[str, Any] | None = None,
+           storage_options: dict[str, Any] | None = None) -> Run:
+    """Validate, create the run in the store, start its replicas, record their handles.
+
+    ``config`` is a RunConfig, a TOML path, or None for the defaults; ``overrides`` are
+    ``key=value`` strings applied on top; ``replicas``/``store``/``run_id`` win over both.
+    ``executor`` is a kind ("local", "modal", "hf-jobs") built with ``executor_options`` and
+    ``gpu``, or a ready ServerlessExecutor. ``store_from_terraform`` names a Terraform directory
+    (or saved ``terraform output -json`` file) whose ``exchange_url`` becomes the store.
+
+    Raises LaunchError before anything is created when any input is wrong.
+    """
+    cfg = resolve_config(config, overrides, replicas=replicas, store=store, run_id=run_id,
+                         store_from_terraform=store_from_terraform)
+    plan = check_launch(cfg, executor, gpu=gpu, executor_options=executor_options,
+                        storage_options=storage_options)
+    run_store, record = create_run(plan.root, cfg)
+    kind = executor_kind(plan.executor, plan.kind)
+    try:
+        handles = launch_replicas(plan.executor, cfg.replicas, run_store.url)
+    except Exception as e:
+        record_launch(run_store, kind, [], gpu=plan.gpu, error=one_line(str(e))[:500])
+        raise LaunchError(f"launching replicas of {run_store.url} failed: {one_line(str(e))}") from e
+    record = record_launch(run_store, kind, handles, gpu=plan.gpu, replicas=cfg.replicas,
+                           usd_per_replica_hour=_price_of(kind, plan.gpu, plan.executor))
+    return Run(run_store, record, plan.executor)

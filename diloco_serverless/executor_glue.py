@@ -1,0 +1,123 @@
+"""How the CLI and API talk to a ``ServerlessExecutor`` (``diloco_serverless.executors``).
+
+Builds executors from a kind and GPU type (SDK and token errors become LaunchErrors), starts the
+replica entrypoint with the run URL, and turns handles and ``poll`` results into plain data:
+handles are the JSON dicts stored in run.json; states become :class:`~diloco_serverless.status.ExecutorState`.
+
+Failure: a poll that raises (network, expired token) yields no states, so status falls back to
+heartbeats instead of failing; building an executor raises LaunchError with the executor's message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from diloco_serverless.preflight import LaunchError, one_line
+from diloco_serverless.status import UNKNOWN, ExecutorState
+
+#: The module every replica runs: ``python -m diloco_serverless.entrypoints.replica``.
+REPLICA_ENTRYPOINT = "diloco_serverless.entrypoints.replica"
+
+_GPU_OPTION = {"modal": "gpu", "hf-jobs": "flavor"}
+
+
+def build_executor(kind: str, gpu: str | None, options: dict[str, Any]) -> Any:
+    """``executors.get_executor(kind, gpu=/flavor=..., **options)``; LaunchError on any failure."""
+    from diloco_serverless.executors import get_executor
+
+    if kind in _GPU_OPTION and gpu is not None:
+        options.setdefault(_GPU_OPTION[kind], gpu)
+    try:
+        return get_executor(kind, **options)
+    except (ImportError, ValueError, RuntimeError, TypeError, OSError, KeyError) as e:
+        raise LaunchError(one_line(str(e)) or f"cannot build the {kind} executor ({type(e).__name__})") from None
+
+
+def executor_from_launch(launch: Mapping[str, Any]) -> tuple[Any | None, str | None]:
+    """Rebuild the executor recorded in run.json: (executor, None) or (None, why not)."""
+    kind = str(launch.get("executor", ""))
+    try:
+        return build_executor(kind, launch.get("gpu"), dict(launch.get("executor_options") or {})), None
+    except LaunchError as e:
+        return None, str(e)
+
+
+def executor_kind(executor: Any, default: str) -> str:
+    """The executor's kind string ("local", "modal", "hf-jobs"), from ``.kind`` or its class name."""
+    kind = getattr(executor, "kind", None)
+    if isinstance(kind, str) and kind:
+        return kind
+    name = type(executor).__name__.lower()
+    for k, marker in (("local", "local"), ("modal", "modal"), ("hf-jobs", "hf")):
+        if name.startswith(marker):
+            return k
+    return default
+
+
+def handle_to_dict(handle: Any) -> dict[str, Any]:
+    """A handle as the JSON dict stored in run.json."""
+    if isinstance(handle, Mapping):
+        return dict(handle)
+    for attr in ("to_json", "to_dict", "to_json_dict"):
+        fn = getattr(handle, attr, None)
+        if callable(fn):
+            return dict(fn())
+    if dataclasses.is_dataclass(handle) and not isinstance(handle, type):
+        return dataclasses.asdict(handle)
+    raise TypeError(f"executor returned a handle of type {type(handle).__name__} that is not JSON-serialisable")
+
+
+def handle_rank(handle: Mapping[str, Any]) -> int:
+    return int(handle["rank"])
+
+
+def launch_replicas(executor: Any, n_replicas: int, run_url: str) -> list[dict[str, Any]]:
+    """Start ``n_replicas`` of the replica entrypoint for ``run_url``; return their handle dicts."""
+    handles = executor.launch_replicas(
+        n_replicas, REPLICA_ENTRYPOINT, ["--run-url", run_url], env={"DILOCO_RUN_URL": run_url},
+    )
+    return [handle_to_dict(h) for h in handles]
+
+
+def _state_name(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return str(value).lower()
+
+
+def normalize_state(state: Any) -> ExecutorState:
+    """An executor ``ReplicaState`` (object, dict or enum/str) as an ExecutorState."""
+    if isinstance(state, Mapping):
+        get = state.get
+    else:
+        def get(key: str, default: Any = None) -> Any:
+            return getattr(state, key, default)
+    raw = get("state", None)
+    if raw is None:
+        raw = get("status", state)
+    reason = get("reason", None) or get("error", None) or get("message", None)
+    code = get("exit_code", None)
+    if reason is None and code not in (None, 0):
+        reason = f"exit code {code}"
+    return ExecutorState(state=_state_name(raw), reason=None if reason is None else str(reason))
+
+
+def poll_states(executor: Any | None, handles: Sequence[Mapping[str, Any]]) -> dict[int, ExecutorState]:
+    """Rank -> ExecutorState from ``executor.poll``; {} if there is no executor or polling fails."""
+    if executor is None or not handles:
+        return {}
+    try:
+        states = list(executor.poll(list(handles)))
+    except Exception as e:  # noqa: BLE001 - status must degrade to heartbeats, never crash
+        return {handle_rank(h): ExecutorState(UNKNOWN, f"poll failed: {one_line(str(e))[:120]}")
+                for h in handles}
+    out: dict[int, ExecutorState] = {}
+    for handle, state in zip(handles, states):
+        rank = getattr(state, "rank", None)
+        if rank is None and isinstance(state, Mapping):
+            rank = state.get("rank")
+        out[int(rank) if rank is not None else handle_rank(handle)] = normalize_state(state)
+    return out

@@ -1,0 +1,110 @@
+"""``diloco plot``: per-replica training loss and eval loss curves from a run's metrics (matplotlib Agg).
+
+Input is what replicas write to ``<run>/metrics/rank-<r>/<round>.json``: one JSON object per
+rank per round. Keys are read tolerantly (see :func:`train_loss_of` / :func:`eval_loss_of`) so
+the plot survives additions to the metrics record.
+
+Failure: a run with no metrics raises ``ValueError("... has no metrics yet ...")``; a missing
+matplotlib raises ``ImportError`` naming the ``plot`` extra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+_TRAIN_KEYS = ("loss", "train_loss", "train/loss", "total", "lm_ce")
+_EVAL_KEYS = ("eval_loss", "eval/loss", "val_loss")
+
+Metrics = Mapping[int, Sequence[Mapping[str, Any]]]
+
+
+def _first(record: Mapping[str, Any], keys: Sequence[str]) -> float | None:
+    for key in keys:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def train_loss_of(record: Mapping[str, Any]) -> float | None:
+    """The training loss in one metrics record, or None."""
+    return _first(record, _TRAIN_KEYS)
+
+
+def eval_loss_of(record: Mapping[str, Any]) -> float | None:
+    """The eval loss in one metrics record (``eval_loss`` or ``eval: {loss: ...}``), or None."""
+    value = _first(record, _EVAL_KEYS)
+    nested = record.get("eval")
+    if value is None and isinstance(nested, Mapping):
+        value = _first(nested, ("loss", "total", "lm_ce"))
+    return value
+
+
+def _x_of(record: Mapping[str, Any], index: int) -> float:
+    for key in ("round", "step"):
+        if isinstance(record.get(key), (int, float)):
+            return float(record[key])
+    return float(index)
+
+
+def curves(metrics: Metrics) -> tuple[dict[int, list[tuple[float, float]]], list[tuple[float, float]]]:
+    """(per-rank training curves, eval curve), each a list of (round, loss) sorted by round.
+
+    The eval curve averages the eval losses that ranks report for the same round (usually only
+    one rank evaluates).
+    """
+    train: dict[int, list[tuple[float, float]]] = {}
+    evals: dict[float, list[float]] = {}
+    for rank, records in sorted(metrics.items()):
+        for i, rec in enumerate(records):
+            x = _x_of(rec, i)
+            loss = train_loss_of(rec)
+            if loss is not None:
+                train.setdefault(rank, []).append((x, loss))
+            ev = eval_loss_of(rec)
+            if ev is not None:
+                evals.setdefault(x, []).append(ev)
+    eval_curve = sorted((x, sum(v) / len(v)) for x, v in evals.items())
+    return {r: sorted(pts) for r, pts in train.items()}, eval_curve
+
+
+def last_eval_loss(metrics: Metrics) -> float | None:
+    """The eval loss of the latest round that has one, or None."""
+    _, eval_curve = curves(metrics)
+    return eval_curve[-1][1] if eval_curve else None
+
+
+def plot_losses(metrics: Metrics, out: str | Path, *, title: str = "") -> Path:
+    """Write a PNG with one line per replica's training loss and the eval loss; return its path."""
+    train, eval_curve = curves(metrics)
+    if not train and not eval_curve:
+        raise ValueError(f"run {title or '?'} has no metrics yet; wait for the first round to finish")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - matplotlib is in the dev extra
+        raise ImportError("diloco plot needs matplotlib: pip install 'diloco-serverless[plot]'") from e
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    try:
+        for rank, pts in train.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, alpha=0.8,
+                    label=f"rank {rank} train", marker="." if len(pts) < 30 else None)
+        if eval_curve:
+            ax.plot([p[0] for p in eval_curve], [p[1] for p in eval_curve], lw=2.5,
+                    color="black", marker="o", label="eval")
+        ax.set_xlabel("round")
+        ax.set_ylabel("loss")
+        ax.set_title(f"DiLoCo {title}".strip())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path

@@ -1,0 +1,162 @@
+"""Checks ``diloco launch`` runs before it creates a run or starts (and bills) any replica.
+
+In order, cheapest first: the config and overrides, ``--replicas``, the executor kind and GPU type,
+whether the store is reachable from where the replicas run, the executor's SDK and tokens (its
+constructor checks them), a probe object written, read back and deleted in the store, and that the
+run id is free. Each failure is a :class:`LaunchError` whose message is one line naming the bad
+value and the fix; nothing has been created when it is raised (the probe object is removed).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from diloco_serverless import pricing
+from diloco_serverless.config import ConfigError, RunConfig
+from diloco_serverless.run import RUN_JSON
+from diloco_serverless.store import ObjectStore, StoreError
+
+EXECUTOR_KINDS = ("local", "modal", "hf-jobs")
+PROBE_PREFIX = ".diloco-probe"
+
+
+class LaunchError(ValueError):
+    """Bad input to launch (or to another CLI command): a one-line message with the fix."""
+
+
+def one_line(message: str) -> str:
+    """Collapse a multi-line message (e.g. a ConfigError listing fields) into one line."""
+    parts = [p.strip() for p in str(message).splitlines() if p.strip()]
+    if len(parts) > 1 and parts[0].endswith(":"):
+        return parts[0] + " " + "; ".join(parts[1:])
+    return "; ".join(parts)
+
+
+@dataclass
+class LaunchPlan:
+    """What preflight established: the store root, the executor (built), its kind and GPU."""
+
+    root: ObjectStore
+    executor: Any
+    kind: str
+    gpu: str | None
+
+
+def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[str], *,
+                   replicas: int | None = None, store: str | None = None, run_id: str | None = None,
+                   store_from_terraform: str | Path | None = None) -> RunConfig:
+    """The RunConfig to launch: file or object, then ``--set`` overrides, then explicit flags."""
+    if replicas is not None and replicas < 1:
+        raise LaunchError(f"--replicas must be at least 1 (got {replicas}); e.g. --replicas 4")
+    if store is not None and store_from_terraform is not None:
+        raise LaunchError("pass either --store or --store-from-terraform, not both")
+    try:
+        if isinstance(config, RunConfig):
+            cfg = RunConfig.load(None, list(overrides)) if overrides else config
+            if overrides:
+                merged = _merge(config.to_json_dict(), cfg.model_dump(mode="json", exclude_unset=True))
+                cfg = RunConfig.from_dict(merged, source="config + overrides")
+        else:
+            cfg = RunConfig.load(str(config) if config is not None else None, list(overrides))
+        if store_from_terraform is not None:
+            store = _terraform_store(store_from_terraform)
+        updates = {k: v for k, v in (("replicas", replicas), ("store", store), ("run_id", run_id))
+                   if v is not None}
+        if updates:
+            cfg = RunConfig.from_dict({**cfg.to_json_dict(), **updates}, source="command-line flags")
+    except ConfigError as e:
+        raise LaunchError(one_line(str(e))) from None
+    return cfg
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _terraform_store(path: str | Path) -> str:
+    from diloco_serverless.terraform import exchange_url_from_terraform
+
+    try:
+        return exchange_url_from_terraform(path).rstrip("/")
+    except LaunchError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise LaunchError(one_line(str(e))) from None
+
+
+def check_executor_kind(kind: str, gpu: str | None) -> str:
+    """Validate the executor kind and GPU type; return the canonical GPU name."""
+    if kind not in EXECUTOR_KINDS:
+        raise LaunchError(f"unknown executor {kind!r}; use --executor local, modal or hf-jobs")
+    try:
+        return pricing.normalize_gpu(kind, gpu)
+    except pricing.UnknownGPU as e:
+        raise LaunchError(str(e)) from None
+
+
+def check_store_reachable(store_url: str, kind: str) -> None:
+    """Replicas must be able to open the store: memory:// is per-process, folders are per-machine."""
+    scheme = store_url.split("://", 1)[0] if "://" in store_url else "file"
+    if scheme == "memory":
+        raise LaunchError(f"store {store_url} lives in one process and replicas are separate processes; "
+                          "use a folder (--store ./runs) or a bucket (s3://..., gs://...)")
+    if kind != "local" and scheme == "file":
+        raise LaunchError(f"{kind} replicas run in the cloud and cannot see the local folder {store_url}; "
+                          "use --store s3://bucket/prefix or gs://bucket/prefix (or --store-from-terraform)")
+
+
+def probe_store(root: ObjectStore) -> None:
+    """Write, read back and delete a small object under the store root; LaunchError if any step fails."""
+    key = f"{PROBE_PREFIX}-{uuid.uuid4().hex}"
+    payload = b"diloco-serverless store probe"
+    try:
+        root.put(key, payload)
+        try:
+            if root.get(key) != payload:
+                raise LaunchError(f"store {root.url} returned different bytes for probe object {key}; "
+                                  "check the endpoint (AWS_ENDPOINT_URL) points at a real object store")
+        finally:
+            root.delete(key)
+    except StoreError as e:
+        raise LaunchError(f"cannot use store {root.url}: {one_line(str(e))}") from None
+
+
+def check_run_free(root: ObjectStore, run_id: str) -> None:
+    if root.exists(f"{run_id}/{RUN_JSON}"):
+        raise LaunchError(f"run {root.url}/{run_id} already exists; pick another --run-id or omit it "
+                          "for a fresh one")
+
+
+def check_launch(cfg: RunConfig, executor: Any, *, gpu: str | None = None,
+                 executor_options: dict[str, Any] | None = None,
+                 storage_options: dict[str, Any] | None = None) -> LaunchPlan:
+    """Run every check; build the executor; return the plan. LaunchError on the first problem."""
+    from diloco_serverless.executor_glue import build_executor, executor_kind
+
+    if isinstance(executor, str):
+        kind = executor
+        gpu = check_executor_kind(kind, gpu)
+        check_store_reachable(cfg.store, kind)
+        built = build_executor(kind, gpu, dict(executor_options or {}))
+    else:
+        built = executor
+        kind = executor_kind(executor, "custom")
+        gpu = gpu or getattr(executor, "gpu", None) or getattr(executor, "flavor", None)
+        if kind in EXECUTOR_KINDS:
+            check_store_reachable(cfg.store, kind)
+    try:
+        root = ObjectStore(cfg.store, storage_options)
+    except (StoreError, ValueError, ImportError) as e:
+        raise LaunchError(f"cannot open store {cfg.store}: {one_line(str(e))}") from None
+    probe_store(root)
+    try:
+        check_run_free(root, cfg.run_id)
+    except StoreError as e:
+        raise LaunchError(f"cannot read store {root.url}: {one_line(str(e))}") from None
+    return LaunchPlan(root=root, executor=built, kind=kind, gpu=gpu)

@@ -1,0 +1,240 @@
+"""The ``diloco`` CLI with an in-process fake executor: bad input, launch summary, status, ls, logs,
+plot, cancel, failure propagation and the --max-usd guard. Real processes: test_cli_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from diloco_serverless import executor_glue
+from diloco_serverless.cli import app
+from test_cli_fakes import FakeExecutor, simulate_replicas
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeExecutor:
+    """Every executor the CLI builds (for launch or from run.json) is this fake."""
+    ex = FakeExecutor()
+    monkeypatch.setattr(executor_glue, "build_executor", lambda kind, gpu, options: ex)
+    return ex
+
+
+def _runs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def _launched(workdir: Path, *args: str) -> str:
+    result = runner.invoke(app, ["launch", "--run-id", "r1", "--set", "rounds=3", *args])
+    assert result.exit_code == 0, result.output
+    return str(workdir / "runs" / "r1")
+
+
+# ------------------------------------------------------------------------------------ bad input
+BAD_INPUT = [
+    (["--executor", "slurm"], "unknown executor 'slurm'"),
+    (["--replicas", "0"], "--replicas must be at least 1 (got 0)"),
+    (["--set", "inner.lrr=0.1"], "unknown config key 'inner.lrr'"),
+    (["--set", "rounds=0"], "rounds"),
+    (["--set", "nonsense"], "must look like key=value"),
+    (["--executor", "modal", "--gpu", "X100", "--store", "s3://b/p"], "unknown Modal GPU type 'X100'"),
+    (["--executor", "hf-jobs", "--flavor", "a100-huge", "--store", "s3://b/p"], "unknown HF Jobs flavor"),
+    (["--executor", "modal", "--gpu", "H100:99", "--store", "s3://b/p"], "bad GPU count"),
+    (["--gpu", "H100"], "the local executor runs on CPU"),
+    (["--executor", "modal", "--store", "./runs"], "cannot see the local folder"),
+    (["--store", "memory://x"], "lives in one process"),
+    (["--config", "missing.toml"], "config file missing.toml does not exist"),
+    (["--max-usd", "0"], "--max-usd must be positive"),
+    (["--max-usd", "5", "--detach"], "drop --detach"),
+    (["--store", "./runs", "--store-from-terraform", "infra/aws"], "not both"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_launch_bad_input_is_one_line_and_creates_nothing(workdir: Path, fake: FakeExecutor,
+                                                           args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["launch", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert result.stderr.startswith("error: ")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+    assert not (workdir / "runs").exists()
+    assert fake.launched == []
+
+
+def test_launch_unwritable_store_is_probed_before_anything(workdir: Path, fake: FakeExecutor) -> None:
+    (workdir / "afile").write_text("not a folder")
+    result = runner.invoke(app, ["launch", "--store", str(workdir / "afile" / "runs")])
+    assert result.exit_code == 2
+    assert "cannot use store" in result.stderr and "afile" in result.stderr
+    assert fake.launched == []
+
+
+def test_launch_existing_run_id_is_refused(workdir: Path, fake: FakeExecutor) -> None:
+    _launched(workdir)
+    result = runner.invoke(app, ["launch", "--run-id", "r1"])
+    assert result.exit_code == 2
+    assert "already exists" in result.stderr and "--run-id" in result.stderr
+    assert len(fake.launched) == 1
+
+
+def test_executor_sdk_error_is_reported_before_launch(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_sdk(kind: str, **options: object) -> None:
+        raise ImportError("the modal executor needs the modal SDK: pip install 'diloco-serverless[modal]'")
+
+    import diloco_serverless.executors as executors
+
+    monkeypatch.setattr(executors, "get_executor", no_sdk, raising=False)
+    result = runner.invoke(app, ["launch", "--executor", "modal", "--store", "s3://bucket/runs"])
+    assert result.exit_code == 2
+    assert "pip install 'diloco-serverless[modal]'" in result.stderr
+    assert not (workdir / "runs").exists()
+
+
+@pytest.mark.parametrize("command", [["status"], ["logs"], ["cancel"], ["plot"]])
+def test_run_url_without_run_is_one_line_error(workdir: Path, command: list[str]) -> None:
+    result = runner.invoke(app, [*command, str(workdir / "runs" / "nope")])
+    assert result.exit_code == 2
+    assert "no run at" in result.stderr and "nope" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_ls_empty_store(workdir: Path) -> None:
+    result = runner.invoke(app, ["ls", str(workdir)])
+    assert result.exit_code == 0
+    assert "no runs under" in result.stdout
+
+
+# ------------------------------------------------------------------------------------ a finished run
+def test_launch_records_handles_and_prints_summary(workdir: Path, fake: FakeExecutor) -> None:
+    result = runner.invoke(app, ["launch", "--run-id", "r1", "--replicas", "3", "--set", "rounds=3",
+                                 "--poll-interval", "0.1"])
+    assert result.exit_code == 0, result.output
+    run_json = json.loads((workdir / "runs" / "r1" / "run.json").read_text())
+    assert run_json["config"]["replicas"] == 3 and run_json["config"]["rounds"] == 3
+    assert run_json["launch"]["executor"] == "local"
+    assert [h["rank"] for h in run_json["launch"]["handles"]] == [0, 1, 2]
+    assert fake.launched[0]["entrypoint"] == "diloco_serverless.entrypoints.replica"
+    assert fake.launched[0]["env"]["DILOCO_RUN_URL"].endswith("/runs/r1")
+    out = result.stdout
+    assert "run r1 succeeded" in out
+    assert "final eval loss : 4.2000" in out  # rank 0's eval at round 2: 5.0 - 1.0 + 0.2
+    assert "bytes moved     : 22.0 KiB" in out  # 3 ranks x 3 rounds x 2500 B = 22500 B
+    assert f"model           : file://{workdir}/runs/r1/final" in out
+    assert "est. spend      : $0.00" in out
+    assert not list((workdir / "runs").glob(".diloco-probe*"))
+
+
+def test_launch_detach_returns_with_follow_up_commands(workdir: Path, fake: FakeExecutor) -> None:
+    result = runner.invoke(app, ["launch", "--run-id", "r1", "--detach"])
+    assert result.exit_code == 0, result.output
+    assert "diloco status" in result.stdout and "r1" in result.stdout
+    assert "final eval loss" not in result.stdout
+
+
+def test_status_table_of_finished_run(workdir: Path, fake: FakeExecutor) -> None:
+    url = _launched(workdir)
+    result = runner.invoke(app, ["status", url])
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│") and "succeeded" in line]
+    assert len(rows) == 4  # one per replica
+    assert "2/3" in result.stdout  # round 2 of 3 rounds (0-based)
+    assert "state succeeded" in result.stdout
+    assert "model: file://" in result.stdout
+
+
+def test_status_watch_stops_when_done(workdir: Path, fake: FakeExecutor) -> None:
+    url = _launched(workdir)
+    result = runner.invoke(app, ["status", url, "--watch", "--interval", "0.1"])
+    assert result.exit_code == 0
+    assert "round 2/3" in result.stdout and "state succeeded" in result.stdout
+
+
+def test_ls_lists_runs(workdir: Path, fake: FakeExecutor) -> None:
+    _launched(workdir)
+    result = runner.invoke(app, ["ls", "runs"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if " r1 " in f" {line} ")
+    assert "succeeded" in line and "local" in line and "2/3" in line
+
+
+def test_logs_tail_and_bad_rank(workdir: Path, fake: FakeExecutor) -> None:
+    url = _launched(workdir)
+    result = runner.invoke(app, ["logs", url, "--rank", "2", "--tail", "3"])
+    assert result.exit_code == 0
+    assert result.stdout.splitlines() == ["rank 2 line 17", "rank 2 line 18", "rank 2 line 19"]
+    bad = runner.invoke(app, ["logs", url, "--rank", "9"])
+    assert bad.exit_code == 2
+    assert "rank 9 is not in run r1: it has ranks 0..3" in bad.stderr
+
+
+def test_plot_writes_png(workdir: Path, fake: FakeExecutor) -> None:
+    url = _launched(workdir)
+    result = runner.invoke(app, ["plot", url, "-o", "out/loss.png"])
+    assert result.exit_code == 0, result.output
+    png = (workdir / "out" / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_plot_without_metrics_is_an_error(workdir: Path, fake: FakeExecutor) -> None:
+    fake.rounds = 0
+    fake.finish = False
+    url = _launched(workdir, "--detach")
+    result = runner.invoke(app, ["plot", url])
+    assert result.exit_code == 2
+    assert "has no metrics yet" in result.stderr
+
+
+def test_cancel_goes_through_the_executor(workdir: Path, fake: FakeExecutor) -> None:
+    fake.finish = False
+    url = _launched(workdir, "--detach")
+    result = runner.invoke(app, ["cancel", url])
+    assert result.exit_code == 0, result.output
+    assert "cancelled 4 replicas of run r1" in result.stdout
+    assert [h["rank"] for h in fake.cancelled[0]] == [0, 1, 2, 3]
+    assert "cancelled" in runner.invoke(app, ["status", url]).stdout
+
+
+# ------------------------------------------------------------------------------------ failures
+def test_failed_rank_exits_non_zero_naming_it(workdir: Path, fake: FakeExecutor) -> None:
+    fake.fail_ranks = (2,)
+    result = runner.invoke(app, ["launch", "--run-id", "r1", "--poll-interval", "0.1"])
+    assert result.exit_code == 1
+    assert "run r1 failed: rank 2: exit code 3" in result.stderr
+    assert "rank 2 failed: exit code 3" in result.stdout
+    assert "rank 2 line 19" in result.stdout  # tail of the failed rank's log
+
+
+def test_max_usd_cancels_before_budget(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ex = FakeExecutor(finish=False, usd_per_replica_hour=3600.0)  # $1 per replica-second
+    monkeypatch.setattr(executor_glue, "build_executor", lambda kind, gpu, options: ex)
+    result = runner.invoke(app, ["launch", "--run-id", "r1", "--max-usd", "5", "--poll-interval", "0.2"])
+    assert result.exit_code == 1
+    assert "would exceed --max-usd 5.00" in result.stderr
+    assert len(ex.cancelled) == 1
+    run_json = json.loads((workdir / "runs" / "r1" / "run.json").read_text())
+    assert run_json["launch"]["usd_per_replica_hour"] == 3600.0
+
+
+def test_simulated_run_helper_marks_failure_in_heartbeat(workdir: Path, fake: FakeExecutor) -> None:
+    """Status without an executor (heartbeats only) still shows the failed rank and its message."""
+    fake.fail_ranks = (1,)
+    url = _launched(workdir, "--detach")
+    monkey_ex = executor_glue.build_executor
+    assert monkey_ex("local", None, {}) is fake
+    (Path(url) / "run.json").write_text(
+        json.dumps({**json.loads((Path(url) / "run.json").read_text()), "launch": None}))
+    simulate_replicas(f"file://{url}", 4, 3, fail_ranks=(1,))
+    result = runner.invoke(app, ["status", url])
+    assert "boom: simulated crash" in result.stdout
