@@ -1,0 +1,245 @@
+"""Shared pytest fixtures: object-store servers on 127.0.0.1 and fresh store URLs.
+
+* ``s3_server`` (session): moto's ``ThreadedMotoServer`` (s3fs's own test pattern), yields the
+  endpoint URL. ``s3_store_url`` gives a fresh bucket per test; ``s3_storage_options`` the
+  fsspec options for in-process use; ``s3_env`` the environment for a subprocess
+  (``ObjectStore("s3://bucket")`` there needs no storage_options: botocore reads
+  ``AWS_ENDPOINT_URL``).
+* ``gcs_server`` (session): ``gcp-storage-emulator`` in memory, yields the endpoint URL;
+  ``gcs_store_url``, ``gcs_storage_options``, ``gcs_env`` likewise; ``gcs_requests`` records
+  the requests the emulator receives (the emulator ignores ``ifGenerationMatch``, so tests
+  check that the client sends it; ``gcs_requests.enforce_generation_match = True`` makes the
+  emulator answer 412 like GCS does).
+* ``file_store_url`` and ``memory_store_url``: fresh local / in-process stores.
+
+Nothing here reaches the internet; all credentials are dummies.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+# gcsfs reads this at import time; its experimental zonal/HNS path calls APIs the emulator lacks.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+S3_KEY = "testing"
+S3_SECRET = "testing"
+S3_REGION = "us-east-1"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+# --------------------------------------------------------------------------- S3 (moto)
+def _make_moto_conditional_puts_atomic() -> None:
+    """moto checks ``If-None-Match: *`` and then stores the key without a lock, so two
+    concurrent conditional PUTs can both succeed; real S3 is atomic. Serialise PutObject so
+    the server behaves like S3 (the header is still evaluated by moto itself)."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response.put_object, "_diloco_locked", False):
+        return
+    original = S3Response.put_object
+    lock = threading.Lock()
+
+    def put_object(self: Any) -> Any:
+        with lock:
+            return original(self)
+
+    put_object._diloco_locked = True  # type: ignore[attr-defined]
+    S3Response.put_object = put_object  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 (session-wide). Yields its endpoint URL."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    _make_moto_conditional_puts_atomic()
+    port = _free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def _s3_client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=S3_KEY,
+                        aws_secret_access_key=S3_SECRET, region_name=S3_REGION)
+
+
+@pytest.fixture
+def s3_storage_options(s3_server: str) -> dict[str, Any]:
+    """fsspec/s3fs options for the moto server (dummy credentials)."""
+    return {"endpoint_url": s3_server, "key": S3_KEY, "secret": S3_SECRET,
+            "client_kwargs": {"region_name": S3_REGION}}
+
+
+@pytest.fixture
+def s3_store_url(s3_server: str) -> str:
+    """A fresh, empty bucket on the moto server: ``"s3://<bucket>"``."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    bucket = _unique("test")
+    _s3_client(s3_server).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}"
+
+
+@pytest.fixture
+def s3_env(s3_server: str) -> dict[str, str]:
+    """Environment variables for a subprocess to reach the moto server with no options."""
+    return {
+        "AWS_ACCESS_KEY_ID": S3_KEY,
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "AWS_DEFAULT_REGION": S3_REGION,
+        "AWS_REGION": S3_REGION,
+        "AWS_ENDPOINT_URL": s3_server,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+# --------------------------------------------------------------------------- GCS (emulator)
+@dataclass
+class GcsRecorder:
+    """What the emulator received: one dict per request {method, path, query}."""
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    enforce_generation_match: bool = False
+
+    def uploads(self) -> list[dict[str, Any]]:
+        """The object-upload requests (POST .../upload/...)."""
+        return [r for r in self.requests if r["method"] == "POST" and "/upload/" in r["path"]]
+
+
+_GCS_RECORDER = GcsRecorder()
+
+
+def _instrument_gcs_emulator() -> None:
+    """Record every request; optionally answer ``ifGenerationMatch=0`` uploads of existing
+    objects with 412, as GCS does (the emulator itself ignores the precondition)."""
+    from gcp_storage_emulator import server as gserver
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.handlers import objects
+
+    if getattr(gserver.Router.handle, "_diloco", False):
+        return
+    handle, multipart = gserver.Router.handle, objects._multipart_upload
+
+    def recorded_handle(self: Any, method: str) -> Any:
+        req = gserver.Request(self._request_handler, method)
+        _GCS_RECORDER.requests.append({"method": method, "path": req.path, "query": req.query})
+        return handle(self, method)
+
+    def checked_multipart(request: Any, response: Any, storage: Any) -> Any:
+        if _GCS_RECORDER.enforce_generation_match and request.query.get("ifGenerationMatch") == ["0"]:
+            name = request.query.get("name", [None])[0] or request.data["meta"].get("name")
+            try:
+                storage.get_file_obj(request.params["bucket_name"], name)
+            except NotFound:
+                pass
+            else:
+                response.status = gserver.HTTPStatus.PRECONDITION_FAILED
+                response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+                return None
+        return multipart(request, response, storage)
+
+    recorded_handle._diloco = True  # type: ignore[attr-defined]
+    gserver.Router.handle = recorded_handle  # type: ignore[method-assign]
+    objects._multipart_upload = checked_multipart
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[str]:
+    """A gcp-storage-emulator (in memory) on 127.0.0.1 (session-wide). Yields its endpoint."""
+    pytest.importorskip("gcsfs")
+    gserver = pytest.importorskip("gcp_storage_emulator.server")
+    _instrument_gcs_emulator()
+    port = _free_port()
+    server = gserver.create_server("127.0.0.1", port, in_memory=True)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gcs_requests(gcs_server: str) -> Iterator[GcsRecorder]:
+    """The emulator's request log, emptied for this test; precondition enforcement off after."""
+    _GCS_RECORDER.requests.clear()
+    yield _GCS_RECORDER
+    _GCS_RECORDER.enforce_generation_match = False
+
+
+@pytest.fixture
+def gcs_storage_options(gcs_server: str) -> dict[str, Any]:
+    """gcsfs options for the emulator (anonymous)."""
+    return {"endpoint_url": gcs_server, "token": "anon"}
+
+
+@pytest.fixture
+def gcs_store_url(gcs_server: str) -> str:
+    """A fresh, empty bucket on the emulator: ``"gs://<bucket>"``."""
+    import gcsfs
+
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    bucket = _unique("test")
+    fs = gcsfs.GCSFileSystem(endpoint_url=gcs_server, token="anon", skip_instance_cache=True)
+    fs.mkdir(bucket)
+    return f"gs://{bucket}"
+
+
+@pytest.fixture
+def gcs_env(gcs_server: str) -> dict[str, str]:
+    """Environment variables for a subprocess to reach the emulator with no options."""
+    return {"STORAGE_EMULATOR_HOST": gcs_server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+# --------------------------------------------------------------------------- local
+@pytest.fixture
+def file_store_url(tmp_path: Path) -> str:
+    """A fresh local folder as a store URL: ``"file:///.../store"`` (not created yet)."""
+    return "file://" + str(tmp_path / "store")
+
+
+@pytest.fixture
+def memory_store_url() -> Iterator[str]:
+    """A fresh in-process store: ``"memory://<unique>"``; emptied after the test."""
+    name = _unique("test")
+    yield f"memory://{name}"
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    if fs.exists(f"/{name}"):
+        fs.rm(f"/{name}", recursive=True)
+
+
+def env_with(extra: dict[str, str]) -> dict[str, str]:
+    """``os.environ`` plus ``extra`` (helper for subprocess tests); drops DILOCO_STORAGE_OPTIONS
+    from the parent unless ``extra`` sets it."""
+    env = {k: v for k, v in os.environ.items() if k != "DILOCO_STORAGE_OPTIONS"}
+    env.update(extra)
+    return env
+
+
+__all__ = ["GcsRecorder", "env_with"]
