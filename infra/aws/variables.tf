@@ -3,15 +3,15 @@ variable "bucket_name" {
   type        = string
 
   validation {
-    condition = (
-      can(regex("^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", var.bucket_name))
-      && !strcontains(var.bucket_name, "..")
-      && !can(regex("^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$", var.bucket_name))
-      && !startswith(var.bucket_name, "xn--")
-      && !startswith(var.bucket_name, "sthree-")
-      && !endswith(var.bucket_name, "-s3alias")
-      && !endswith(var.bucket_name, "--ol-s3")
-    )
+    condition = alltrue([
+      can(regex("^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", var.bucket_name)),
+      !strcontains(var.bucket_name, ".."),
+      !can(regex("^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$", var.bucket_name)),
+      !startswith(var.bucket_name, "xn--"),
+      !startswith(var.bucket_name, "sthree-"),
+      !endswith(var.bucket_name, "-s3alias"),
+      !endswith(var.bucket_name, "--ol-s3"),
+    ])
     error_message = "bucket_name must be 3-63 characters of lowercase letters, digits, '.' and '-', start and end with a letter or digit, contain no '..', not look like an IP address, and not use the reserved prefixes xn--/sthree- or suffixes -s3alias/--ol-s3."
   }
 }
@@ -120,11 +120,12 @@ variable "replica_role_external_id" {
   sensitive   = true
 
   validation {
-    condition = var.replica_role_external_id == null || (
-      can(regex("^[A-Za-z0-9+=,.@:/-]+$", var.replica_role_external_id))
-      && length(coalesce(var.replica_role_external_id, "unset")) >= 2
-      && length(coalesce(var.replica_role_external_id, "unset")) <= 1224
-    )
+    # coalesce: HCL evaluates every operand, and length(null) is an error.
+    condition = var.replica_role_external_id == null || alltrue([
+      can(regex("^[A-Za-z0-9+=,.@:/-]+$", var.replica_role_external_id)),
+      length(coalesce(var.replica_role_external_id, "unset")) >= 2,
+      length(coalesce(var.replica_role_external_id, "unset")) <= 1224,
+    ])
     error_message = "replica_role_external_id must be 2-1224 characters of letters, digits and +=,.@:/-."
   }
 }

@@ -13,13 +13,13 @@ variable "bucket_name" {
   type        = string
 
   validation {
-    condition = (
-      can(regex("^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$", var.bucket_name))
-      && !strcontains(var.bucket_name, "..")
-      && !can(regex("^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$", var.bucket_name))
-      && !startswith(var.bucket_name, "goog")
-      && !strcontains(var.bucket_name, "google")
-    )
+    condition = alltrue([
+      can(regex("^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$", var.bucket_name)),
+      !strcontains(var.bucket_name, ".."),
+      !can(regex("^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$", var.bucket_name)),
+      !startswith(var.bucket_name, "goog"),
+      !strcontains(var.bucket_name, "google"),
+    ])
     error_message = "bucket_name must be 3-63 characters of lowercase letters, digits, '-', '_' and '.', start and end with a letter or digit, contain no '..', not look like an IP address, not start with \"goog\" and not contain \"google\"."
   }
 }
