@@ -21,6 +21,7 @@ naming the rank and reason; :meth:`Run.wait` with ``max_usd`` cancels the run an
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ from typing import Any
 from diloco_serverless import pricing
 from diloco_serverless.config import RunConfig
 from diloco_serverless.executor_glue import (
-    executor_from_launch, executor_kind, handle_rank, launch_replicas, poll_states,
+    executor_cancel, executor_from_launch, executor_kind, executor_logs, handle_rank,
+    launch_replicas, poll_states,
 )
 from diloco_serverless.plot import curves, plot_losses
 from diloco_serverless.preflight import LaunchError, check_launch, one_line, resolve_config
@@ -37,7 +39,7 @@ from diloco_serverless.run import (
     record_launch,
 )
 from diloco_serverless.status import (
-    CANCELLED, FAILED, RunStatus, billed_seconds, build_replica, run_state,
+    CANCELLED, FAILED, TERMINAL, RunStatus, billed_seconds, build_replica, run_state,
 )
 from diloco_serverless.store import ObjectStore
 
@@ -162,7 +164,7 @@ class Run:
         handle = next((h for h in self.handles if handle_rank(h) == rank), None)
         text: str | None = None
         if self._executor is not None and handle is not None:
-            text = self._executor.logs(handle, tail=tail)
+            text = executor_logs(self._executor, handle, tail)
         if text is None:
             key = log_key(rank)
             if not self._store.exists(key):
@@ -188,7 +190,7 @@ class Run:
             raise LaunchError(f"run {self.url} has no launched replicas to cancel")
         if self._executor is None:
             raise LaunchError(f"cannot cancel {self.url}: {self._executor_error or 'no executor'}")
-        self._executor.cancel(self.handles)
+        executor_cancel(self._executor, self.handles)
 
     def wait(self, *, timeout_s: float | None = None, poll_interval_s: float = 2.0,
              on_update: Callable[[RunStatus], None] | None = None,
@@ -226,6 +228,10 @@ class Run:
         return _price_of(self.executor_kind, self.gpu, None)
 
     def _finish(self, status: RunStatus) -> RunStatus:
+        live = [r.rank for r in status.replicas if r.state not in TERMINAL]
+        if status.state == FAILED and live and self._executor is not None:
+            self.cancel()  # too few replicas left to finish: stop the rest instead of billing them
+            status = replace(status, failures=status.failures + [(r, "cancelled: run failed") for r in live])
         if status.state == FAILED or status.failures:
             detail = "; ".join(f"rank {r}: {why}" for r, why in status.failures) or "see `diloco logs`"
             raise RunFailed(f"run {self.run_id} failed: {detail}", status)

@@ -24,23 +24,39 @@ REPLICA_ENTRYPOINT = "diloco_serverless.entrypoints.replica"
 _GPU_OPTION = {"modal": "gpu", "hf-jobs": "flavor"}
 
 
+_BUILD_ERRORS = (ImportError, ValueError, RuntimeError, TypeError, OSError, KeyError)
+
+
 def build_executor(kind: str, gpu: str | None, options: dict[str, Any]) -> Any:
     """``executors.get_executor(kind, gpu=/flavor=..., **options)``; LaunchError on any failure."""
-    from diloco_serverless.executors import get_executor
+    from diloco_serverless import executors
 
     if kind in _GPU_OPTION and gpu is not None:
         options.setdefault(_GPU_OPTION[kind], gpu)
     try:
-        return get_executor(kind, **options)
-    except (ImportError, ValueError, RuntimeError, TypeError, OSError, KeyError) as e:
+        return executors.get_executor(kind, **options)
+    except _BUILD_ERRORS as e:
         raise LaunchError(one_line(str(e)) or f"cannot build the {kind} executor ({type(e).__name__})") from None
 
 
+
 def executor_from_launch(launch: Mapping[str, Any]) -> tuple[Any | None, str | None]:
-    """Rebuild the executor recorded in run.json: (executor, None) or (None, why not)."""
+    """Rebuild the executor recorded in run.json: (executor, None) or (None, why not).
+
+    With handles, ``executors.executor_for_handle`` reuses backend settings stored in the first
+    handle (HF endpoint, namespace, ...); credentials come from this process's environment.
+    """
+    handles = list(launch.get("handles") or [])
     kind = str(launch.get("executor", ""))
     try:
-        return build_executor(kind, launch.get("gpu"), dict(launch.get("executor_options") or {})), None
+        if handles:
+            from diloco_serverless.executors import executor_for_handle
+
+            try:
+                return executor_for_handle(handles[0]), None
+            except _BUILD_ERRORS as e:
+                raise LaunchError(one_line(str(e)) or f"cannot rebuild the {kind} executor") from None
+        return build_executor(kind, launch.get("gpu"), {}), None
     except LaunchError as e:
         return None, str(e)
 
@@ -74,10 +90,32 @@ def handle_rank(handle: Mapping[str, Any]) -> int:
     return int(handle["rank"])
 
 
+def to_handle(executor: Any, handle: Mapping[str, Any]) -> Any:
+    """The handle object an executor's methods take: a ReplicaHandle for our executors, else the dict."""
+    if type(executor).__module__.startswith("diloco_serverless.executors"):
+        from diloco_serverless.executors import handle_from_json
+
+        return handle_from_json(handle)
+    return dict(handle)
+
+
+def executor_logs(executor: Any, handle: Mapping[str, Any], tail: int | None) -> str | None:
+    return executor.logs(to_handle(executor, handle), tail=tail)
+
+
+def executor_cancel(executor: Any, handles: Sequence[Mapping[str, Any]]) -> None:
+    executor.cancel([to_handle(executor, h) for h in handles])
+
+
+def launch_args(run_url: str) -> list[str]:
+    """Arguments of the replica entrypoint."""
+    return ["--run-url", run_url]
+
+
 def launch_replicas(executor: Any, n_replicas: int, run_url: str) -> list[dict[str, Any]]:
     """Start ``n_replicas`` of the replica entrypoint for ``run_url``; return their handle dicts."""
     handles = executor.launch_replicas(
-        n_replicas, REPLICA_ENTRYPOINT, ["--run-url", run_url], env={"DILOCO_RUN_URL": run_url},
+        n_replicas, REPLICA_ENTRYPOINT, launch_args(run_url), env={"DILOCO_RUN_URL": run_url},
     )
     return [handle_to_dict(h) for h in handles]
 
@@ -110,7 +148,7 @@ def poll_states(executor: Any | None, handles: Sequence[Mapping[str, Any]]) -> d
     if executor is None or not handles:
         return {}
     try:
-        states = list(executor.poll(list(handles)))
+        states = list(executor.poll([to_handle(executor, h) for h in handles]))
     except Exception as e:  # noqa: BLE001 - status must degrade to heartbeats, never crash
         return {handle_rank(h): ExecutorState(UNKNOWN, f"poll failed: {one_line(str(e))[:120]}")
                 for h in handles}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from diloco_serverless import executor_glue
+from diloco_serverless import api, executor_glue
 from diloco_serverless.cli import app
 from test_cli_fakes import FakeExecutor, simulate_replicas
 
@@ -26,8 +26,13 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeExecutor:
     """Every executor the CLI builds (for launch or from run.json) is this fake."""
     ex = FakeExecutor()
-    monkeypatch.setattr(executor_glue, "build_executor", lambda kind, gpu, options: ex)
+    use_fake(monkeypatch, ex)
     return ex
+
+
+def use_fake(monkeypatch: pytest.MonkeyPatch, ex: FakeExecutor) -> None:
+    monkeypatch.setattr(executor_glue, "build_executor", lambda kind, gpu, options: ex)
+    monkeypatch.setattr(api, "executor_from_launch", lambda launch: (ex, None))
 
 
 def _runs(root: Path) -> list[str]:
@@ -218,7 +223,7 @@ def test_failed_rank_exits_non_zero_naming_it(workdir: Path, fake: FakeExecutor)
 
 def test_max_usd_cancels_before_budget(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ex = FakeExecutor(finish=False, usd_per_replica_hour=3600.0)  # $1 per replica-second
-    monkeypatch.setattr(executor_glue, "build_executor", lambda kind, gpu, options: ex)
+    use_fake(monkeypatch, ex)
     result = runner.invoke(app, ["launch", "--run-id", "r1", "--max-usd", "5", "--poll-interval", "0.2"])
     assert result.exit_code == 1
     assert "would exceed --max-usd 5.00" in result.stderr
