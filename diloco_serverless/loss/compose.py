@@ -60,7 +60,8 @@ class LossComponents:
 
     def to_floats(self) -> dict[str, float]:
         """Detached Python floats for metrics and heartbeats."""
-        return {name: float(getattr(self, name).detach()) for name in ("total", "lm_ce", "sdpo_jsd", "trace_replay_dpo")}
+        names = ("total", "lm_ce", "sdpo_jsd", "trace_replay_dpo")
+        return {name: float(getattr(self, name).detach()) for name in names}
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,9 @@ def _validate_settings(**kw: Any) -> _Settings:
     """Check every keyword up front, whether or not its channel is live this call."""
     if kw["sdpo_wrapper"] not in SDPO_WRAPPERS:
         raise ValueError(f"sdpo_wrapper must be one of {SDPO_WRAPPERS}, got {kw['sdpo_wrapper']!r}")
-    taid_t = check_taid_t(kw["taid_t"]) if kw["sdpo_wrapper"] == "taid" else None
-    if kw["sdpo_wrapper"] != "taid" and kw["taid_t"] is not None:
-        check_taid_t(kw["taid_t"])
+    taid_t = kw["taid_t"]
+    if kw["sdpo_wrapper"] == "taid" or taid_t is not None:
+        taid_t = check_taid_t(taid_t)  # required by the TAID wrapper, range-checked whenever given
     gamma = float(kw["simpo_gamma"])
     if not math.isfinite(gamma):
         raise ValueError(f"simpo_gamma must be finite, got {kw['simpo_gamma']!r}")

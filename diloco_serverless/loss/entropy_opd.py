@@ -45,9 +45,10 @@ def entropy_opd_loss(
     check_pair(student_logits, teacher_logits)
     h_max = check_h_max(h_max)
     if h_max is None:
-        h_max = math.log(student_logits.shape[-1])
+        # log(V) is the uniform distribution's entropy; with V == 1 every entropy and KL is 0 anyway.
+        h_max = math.log(student_logits.shape[-1]) if student_logits.shape[-1] > 1 else 1.0
     log_q = log_probs(student_logits)
     log_p = log_probs(teacher_logits)
     with torch.no_grad():
-        weight = (entropy_logspace(log_p) / h_max).clamp(0.0, 1.0) if h_max > 0 else torch.ones_like(log_p[:, 0])
+        weight = (entropy_logspace(log_p) / h_max).clamp(0.0, 1.0)
     return weight * kl_logspace(log_p, log_q) + (1.0 - weight) * kl_logspace(log_q, log_p)
