@@ -18,6 +18,7 @@ from typing import Any
 
 from diloco_serverless.exchange_errors import CorruptObjectError, MismatchError, RoundPrunedError
 from diloco_serverless.exchange_io import (
+    ROUNDS,
     CountingStore,
     json_bytes,
     quorum_key,
@@ -143,10 +144,15 @@ def _try_create(io: CountingStore, me: ReadyMarker, ready: set[int]) -> None:
 
 
 def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
-    if io.exists(quorum_key(me.round + 1)):
+    """Raise :class:`RoundPrunedError` if a later round already has a quorum (one recursive listing)."""
+    later = sorted(
+        int(parts[1]) for parts in (k.split("/") for k in io.list(ROUNDS))
+        if len(parts) == 3 and parts[2] == "quorum.json" and parts[1].isdigit() and int(parts[1]) > me.round
+    )
+    if later:
         raise RoundPrunedError(
-            f"round {me.round} has no quorum but round {me.round + 1} does: the run moved on without this replica "
-            f"(rank {me.rank}) and the round may have been pruned; heal from the latest checkpoint"
+            f"round {me.round} has no quorum but round {later[0]} does: the run moved on without this replica "
+            f"(rank {me.rank}) and round {me.round} may have been pruned; heal from the latest checkpoint"
         )
 
 
@@ -157,7 +163,7 @@ def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait) -> Quorum
     fewer than ``min_replicas`` ready, and :class:`RoundPrunedError` if the run moved on.
     """
     started = time.monotonic()
-    sleep_s, last_skip_check = min(0.005, p.poll_interval_s), started
+    sleep_s, last_skip_check = min(0.005, p.poll_interval_s), started - 1.0
     seen: set[int] = set()
     while True:
         q = read_quorum(io, run_id=me.run_id, round=me.round)
@@ -174,7 +180,7 @@ def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait) -> Quorum
                 f"round {me.round}: ranks {missing} never became ready (ready: {sorted(ready)}, "
                 f"min_replicas={p.min_replicas}); check those replicas' logs or lower min_replicas"
             )
-        if now - last_skip_check >= 1.0:
+        if now - started >= p.straggler_timeout_s and now - last_skip_check >= 1.0:
             _check_skipped(io, me)
             last_skip_check = now
         if ready != seen:
