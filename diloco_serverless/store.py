@@ -27,6 +27,7 @@ Credentials never come from code: standard environment variables (``AWS_*``,
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -171,7 +172,9 @@ class ObjectStore:
         if self.protocol not in ("file", "memory"):
             options = _merge(_default_options(self.protocol, self.retry), storage_options_from_env())
         self._options = _merge(options, dict(storage_options or {}))
-        self._fs: Any = None if self.protocol == "file" else fsspec.filesystem(self.protocol, **self._options)
+        self._fs: Any = None
+        if self.protocol != "file":  # a copy: s3fs edits nested dicts such as config_kwargs
+            self._fs = fsspec.filesystem(self.protocol, **copy.deepcopy(self._options))
         self._async = bool(getattr(self._fs, "async_impl", False))
 
     # ----------------------------------------------------------------- structure
@@ -362,6 +365,11 @@ class ObjectStore:
             if self.protocol == "file":
                 return os.path.isfile(path)
             try:
+                if self.protocol == "s3":  # one HEAD; s3fs's info() would also LIST on a miss
+                    bucket, name, _ = self._fs.split_path(path)
+                    self._fs_call("call_s3", "head_object", Bucket=bucket, Key=name,
+                                  timeout_s=remaining)
+                    return True
                 info = self._fs_call("info", path, timeout_s=remaining)
             except FileNotFoundError:
                 return False
