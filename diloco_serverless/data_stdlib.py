@@ -1,0 +1,194 @@
+"""The default corpus: the Python standard library's own ``.py`` files (present on every machine).
+
+Files under ``sysconfig.get_paths()["stdlib"]`` (test suites and site-packages excluded, 1 KiB to
+256 KiB) are split into train and held-out eval by a SHA-256 hash of their relative path, and the
+train files are dealt to ranks round-robin in hash order, so shards are disjoint and the split is
+the same on every machine running the same Python version.
+
+One example is a chunk of whole lines of a file (the response) after up to ``prompt_len`` tokens of
+the lines before it (the prompt). The self-distillation teacher additionally reads a hint, the
+file's path and module docstring, before the prompt. The preference pair is the true chunk
+(chosen) against the same lines in a shuffled order (rejected). Example ``i`` of rank ``r`` depends
+only on ``(seed, r, i)``, so a data position is just an integer.
+
+Failure: an empty shard raises :class:`DataError` naming the rank and the file counts.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import os
+import sysconfig
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from random import Random
+from typing import Any
+
+from diloco_serverless.config import DataConfig
+from diloco_serverless.data_common import DataError, Example, example_rng, shuffle_lines, split_fraction
+
+__all__ = ["StdlibSource", "stdlib_root", "list_corpus_files", "split_train_eval", "shard_for_rank"]
+
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+MIN_FILE_BYTES = 1024
+MAX_FILE_BYTES = 256 * 1024
+
+
+def stdlib_root() -> Path:
+    """Folder of the running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_corpus_files(root: Path) -> dict[str, int]:
+    """``{relative posix path: size in bytes}`` of the corpus ``.py`` files under ``root``, sorted."""
+    found: dict[str, int] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS and not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            path = Path(dirpath) / name
+            size = path.stat().st_size
+            if MIN_FILE_BYTES <= size <= MAX_FILE_BYTES:
+                found[path.relative_to(root).as_posix()] = size
+    return dict(sorted(found.items()))
+
+
+def split_train_eval(names: list[str], eval_fraction: float) -> tuple[list[str], list[str]]:
+    """Deterministic split by name hash; at least one eval item whenever there are >= 2 names."""
+    ordered = sorted(names, key=lambda n: (split_fraction(n), n))
+    evals = [n for n in ordered if split_fraction(n) < eval_fraction]
+    if not evals and len(ordered) >= 2:
+        evals = ordered[:1]
+    held = set(evals)
+    return [n for n in ordered if n not in held], evals
+
+
+def shard_for_rank(items: list[Any], rank: int, world_size: int, *, what: str, total_eval: int) -> list[Any]:
+    """Round-robin shard ``items[rank::world_size]``; DataError naming the rank if it is empty."""
+    if not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is outside the run's {world_size} replicas (ranks 0..{world_size - 1})")
+    shard = items[rank::world_size]
+    if not shard:
+        raise DataError(
+            f"{what}: rank {rank} of {world_size} replicas gets no training data ({len(items)} train items, "
+            f"{total_eval} held out); use fewer replicas or a larger corpus"
+        )
+    return shard
+
+
+@dataclass(frozen=True)
+class _Doc:
+    path: str
+    lines: list[list[int]]  # token ids per source line (newline included)
+    hint: list[int]
+
+
+def _module_docstring(text: str) -> str | None:
+    try:
+        return ast.get_docstring(ast.parse(text))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+class StdlibSource:
+    """Examples cut from stdlib files; see the module docstring. ``root`` overrides the folder (tests)."""
+
+    name = "stdlib"
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        data: DataConfig,
+        *,
+        rank: int,
+        world_size: int,
+        seed: int,
+        root: str | Path | None = None,
+        cache_files: int = 256,
+    ) -> None:
+        self.root = Path(root) if root is not None else stdlib_root()
+        self.tokenizer, self.data, self.rank, self.seed = tokenizer, data, rank, seed
+        sizes = list_corpus_files(self.root)
+        train, self.eval_files = split_train_eval(list(sizes), data.eval_fraction)
+        what = f"stdlib corpus {self.root}"
+        self.train_files = shard_for_rank(train, rank, world_size, what=what, total_eval=len(self.eval_files))
+        if not self.eval_files:
+            raise DataError(f"{what} has {len(sizes)} usable .py files; need at least 2 to hold one out for eval")
+        self._weights = {
+            "train": self._cumulative([sizes[f] for f in self.train_files]),
+            "eval": self._cumulative([sizes[f] for f in self.eval_files]),
+        }
+        self._cache: OrderedDict[str, _Doc] = OrderedDict()
+        self._cache_files = cache_files
+
+    @staticmethod
+    def _cumulative(sizes: list[int]) -> list[int]:
+        out, acc = [], 0
+        for s in sizes:
+            acc += s
+            out.append(acc)
+        return out
+
+    def train_example(self, index: int) -> Example:
+        """Training example ``index`` of this rank (depends only on seed, rank, index)."""
+        return self._sample("train", self.train_files, example_rng(self.seed, "stdlib-train", self.rank, index))
+
+    def eval_example(self, index: int) -> Example:
+        """Held-out example ``index`` (the same on every rank)."""
+        return self._sample("eval", self.eval_files, example_rng(self.seed, "stdlib-eval", index))
+
+    def _sample(self, split: str, files: list[str], rng: Random) -> Example:
+        cumulative = self._weights[split]
+        for _ in range(64):
+            pick = bisect.bisect_right(cumulative, rng.randrange(cumulative[-1]))
+            example = self._chunk(self._load(files[pick]), rng)
+            if example is not None:
+                return example
+        raise DataError(
+            f"stdlib corpus: no chunk of >= 2 distinct lines fits data.seq_len={self.data.seq_len} - "
+            f"prompt_len={self.data.prompt_len} tokens in 64 tries ({split} split, rank {self.rank}); "
+            "raise data.seq_len"
+        )
+
+    def _load(self, rel: str) -> _Doc:
+        doc = self._cache.get(rel)
+        if doc is not None:
+            self._cache.move_to_end(rel)
+            return doc
+        text = (self.root / rel).read_text(encoding="utf-8", errors="replace")
+        lines = text.splitlines(keepends=True) or [text]
+        ids = self.tokenizer(lines, add_special_tokens=False)["input_ids"]
+        docstring = _module_docstring(text)
+        hint_text = f"# file: {rel}\n" + (f'"""{docstring}"""\n' if docstring else "")
+        hint_text = hint_text[: 16 * self.data.hint_len]  # enough characters for hint_len tokens
+        hint = self.tokenizer(hint_text, add_special_tokens=False)["input_ids"][: self.data.hint_len]
+        doc = _Doc(rel, [list(x) for x in ids], list(hint))
+        self._cache[rel] = doc
+        if len(self._cache) > self._cache_files:
+            self._cache.popitem(last=False)
+        return doc
+
+    def _chunk(self, doc: _Doc, rng: Random) -> Example | None:
+        budget = self.data.seq_len - self.data.prompt_len
+        start = rng.randrange(len(doc.lines))
+        end, used = start, 0
+        while end < len(doc.lines) and used + len(doc.lines[end]) <= budget:
+            used += len(doc.lines[end])
+            end += 1
+        lines = doc.lines[start:end]
+        if len(lines) < 2:
+            return None
+        rejected = shuffle_lines(lines, rng)
+        if rejected is None:
+            return None
+        prompt: list[int] = []
+        for line in reversed(doc.lines[max(0, start - self.data.prompt_len) : start]):
+            prompt[:0] = line
+            if len(prompt) >= self.data.prompt_len:
+                break
+        prompt = prompt[-self.data.prompt_len :] if prompt else []
+        response = [t for line in lines for t in line]
+        return Example(prompt, response, doc.hint + prompt, rejected, [], f"{self.root.name}/{doc.path}:{start + 1}")
