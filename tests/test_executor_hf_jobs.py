@@ -50,7 +50,9 @@ def _executor(hub: FakeHFJobsServer, **kw: object) -> HFJobsExecutor:
     kw.setdefault("install", None)
     kw.setdefault("poll_interval_s", 0.1)
     kw.setdefault("forward_credentials", False)
-    return HFJobsExecutor(flavor="cpu-basic", image="python:3.11", endpoint=hub.url, token=hub.token, **kw)  # type: ignore[arg-type]
+    return HFJobsExecutor(  # type: ignore[arg-type]
+        flavor="cpu-basic", image="python:3.11", endpoint=hub.url, token=hub.token, **kw
+    )
 
 
 def test_launch_collect_success_with_labels_env_and_secrets(

@@ -270,6 +270,15 @@ STORAGE_SECRET_ENV: tuple[str, ...] = (
     "DILOCO_STORAGE_OPTIONS",
 )
 
+#: Non-secret storage settings that remote executors may copy into the replicas' plain environment.
+STORAGE_CONFIG_ENV: tuple[str, ...] = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "STORAGE_EMULATOR_HOST",
+)
+
 _SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|_KEY$|_KEY_ID$)", re.IGNORECASE)
 
 

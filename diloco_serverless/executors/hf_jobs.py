@@ -28,6 +28,7 @@ from typing import Any
 
 from diloco_serverless import __version__
 from diloco_serverless.executors.base import (
+    STORAGE_CONFIG_ENV,
     STORAGE_SECRET_ENV,
     ExecutorError,
     ExecutorUnavailable,
@@ -77,7 +78,8 @@ class HFJobsExecutor:
         image: Docker image (or ``hf.co/spaces/...``) the Jobs run in.
         secrets: storage credentials for the replicas: names of variables to read from this
             environment, or a mapping name -> value. ``forward_credentials`` adds the standard ones
-            (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...) that are set here.
+            (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...) that are set here, and copies the
+            storage settings (AWS_ENDPOINT_URL, AWS_REGION, ...) into the Jobs' plain environment.
         timeout: maximum Job duration, seconds or a string like "12h" (Jobs API semantics).
         namespace: user or org owning the Jobs (default: the token's user, via ``whoami``).
         endpoint: Hub endpoint (default ``HF_ENDPOINT`` / https://huggingface.co).
@@ -117,6 +119,9 @@ class HFJobsExecutor:
         self.flavor, self.image, self.timeout = flavor, image, timeout
         self.retries, self.install, self.poll_interval_s = retries, install, poll_interval_s
         self._secrets = self._resolve_secrets(secrets, forward_credentials)
+        self._forwarded_env = (
+            {k: os.environ[k] for k in STORAGE_CONFIG_ENV if k in os.environ} if forward_credentials else {}
+        )
         self._api = hub.HfApi(endpoint=endpoint, token=token)
         self.endpoint = self._api.endpoint
         self._namespace = namespace
@@ -172,7 +177,7 @@ class HFJobsExecutor:
     ) -> list[ReplicaHandle]:
         """Submit one Job per rank; if a submission fails, cancel the submitted ones and raise."""
         check_replica_count(n_replicas, self.kind)
-        plain, secret = split_secret_env(env)
+        plain, secret = split_secret_env({**self._forwarded_env, **(env or {})})
         secrets = {**self._secrets, **secret}
         run_id = run_id_from_url(run_url_from(env, entrypoint_args)) or "unnamed"
         command = self.command(entrypoint, entrypoint_args)
@@ -212,7 +217,9 @@ class HFJobsExecutor:
             if code == 404:
                 return ReplicaState(rank=handle.rank, status=ReplicaStatus.FAILED,
                                     reason=f"job {job_id} not found in namespace {ns!r}")
-            raise ExecutorError(f"hf-jobs executor: inspecting rank {handle.rank} (job {job_id}) failed: {exc}") from exc
+            raise ExecutorError(
+                f"hf-jobs executor: inspecting rank {handle.rank} (job {job_id}) failed: {exc}"
+            ) from exc
         stage = str(getattr(job.status.stage, "value", job.status.stage))
         status = _STAGES.get(stage, ReplicaStatus.PENDING)
         message = job.status.message
