@@ -20,6 +20,7 @@ naming the rank and reason; :meth:`Run.wait` with ``max_usd`` cancels the run an
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from diloco_serverless.executor_glue import (
 from diloco_serverless.plot import curves, plot_losses
 from diloco_serverless.preflight import LaunchError, check_launch, one_line, resolve_config
 from diloco_serverless.run import (
-    FINAL_PREFIX, RunRecord, create_run, load_run, log_key, read_members, read_metrics,
+    FINAL_PREFIX, METRICS_PREFIX, RunRecord, create_run, load_run, log_key, read_members,
     record_launch,
 )
 from diloco_serverless.status import (
@@ -73,6 +74,7 @@ class Run:
         self.record = record
         self._executor = executor
         self._executor_error = executor_error
+        self._metrics_cache: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ identity
     @property
@@ -125,25 +127,38 @@ class Run:
         self._store, self.record = load_run(self._store)
 
     def metrics(self) -> dict[int, list[dict[str, Any]]]:
-        """Every metrics record, grouped by rank, each list sorted by round."""
+        """Every metrics record, grouped by rank, each list sorted by round.
+
+        Metrics objects are written once per rank and round, so only keys not seen before are
+        fetched (one LIST per call plus GETs of the new objects): ``status --watch`` stays cheap.
+        """
+        keys = [k for k in self._store.list(METRICS_PREFIX + "/") if k.endswith(".json")]
+        new = [k for k in keys if k not in self._metrics_cache]
+        for key, raw in self._store.get_many(new, missing_ok=True).items():
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except ValueError:
+                continue  # being rewritten or corrupt; skipped like run.read_metrics does
+            if isinstance(rec, dict):
+                self._metrics_cache[key] = rec
         out: dict[int, list[dict[str, Any]]] = {}
-        for rec in read_metrics(self._store):
+        for key in sorted(self._metrics_cache):
+            rec = self._metrics_cache[key]
             out.setdefault(int(rec.get("rank", -1)), []).append(rec)
         return out
 
     def status(self, *, now: float | None = None) -> RunStatus:
         """Per-replica state (executor poll + heartbeat), totals and estimated spend."""
         now = time.time() if now is None else now
-        members = {r: hb.to_json_dict() for r, hb in read_members(self._store).items()}
+        metrics = self.metrics()
+        train, eval_curve = curves(metrics)
+        members = {r: _outer(hb.to_json_dict(), self.config.exchange.fragments, train.get(r))
+                   for r, hb in read_members(self._store).items()}
         states = poll_states(self._executor, self.handles) if self.handles else {}
         n = self.config.replicas
         replicas = [build_replica(r, states.get(r), members.get(r), now, STALE_AFTER_S) for r in range(n)]
         start = _launched_at(self.record)
-        elapsed = max(0.0, now - start) if start is not None else 0.0
-        if not self.handles:
-            elapsed = 0.0
-        metrics = self.metrics()
-        _, eval_curve = curves(metrics)
+        elapsed = max(0.0, now - start) if start is not None and self.handles else 0.0
         price = self.usd_per_replica_hour
         est = None if price is None else price * sum(billed_seconds(replicas, elapsed)) / 3600.0
         final = f"{self.url}/{FINAL_PREFIX}" if self._has_final() else None
@@ -163,12 +178,16 @@ class Run:
         self._check_rank(rank)
         handle = next((h for h in self.handles if handle_rank(h) == rank), None)
         text: str | None = None
+        why = "the replica may not have started"
         if self._executor is not None and handle is not None:
-            text = executor_logs(self._executor, handle, tail)
+            try:
+                text = executor_logs(self._executor, handle, tail)
+            except Exception as e:  # noqa: BLE001 - fall back to the copy in the store
+                why = f"the {self.executor_kind} executor could not read it: {one_line(str(e)) or type(e).__name__}"
         if text is None:
             key = log_key(rank)
             if not self._store.exists(key):
-                raise LaunchError(f"no log for rank {rank} of {self.url} yet; the replica may not have started")
+                raise LaunchError(f"no log for rank {rank} of {self.url} yet; {why}")
             text = self._store.get(key).decode("utf-8", errors="replace")
             if tail is not None:
                 text = "".join(text.splitlines(keepends=True)[-tail:])
@@ -238,6 +257,18 @@ class Run:
         if status.state == CANCELLED:
             raise RunFailed(f"run {self.run_id} was cancelled", status)
         return status
+
+
+def _outer(heartbeat: dict[str, Any], fragments: int, train_curve: list[tuple[float, float]] | None) -> dict[str, Any]:
+    """A heartbeat as status shows it: ``round`` counted in outer rounds done (the heartbeat counts
+    fragment syncs) and, when the heartbeat carries no loss (evaluating, done), the rank's latest
+    training loss from its metrics."""
+    hb = dict(heartbeat)
+    if hb.get("round") is not None and fragments > 1:
+        hb["round"] = int(hb["round"]) // fragments
+    if hb.get("loss") is None and train_curve:
+        hb["loss"] = train_curve[-1][1]
+    return hb
 
 
 def _over_budget(status: RunStatus, usd_per_hour: float, horizon_s: float, max_usd: float) -> bool:

@@ -86,6 +86,7 @@ def plot_losses(metrics: Metrics, out: str | Path, *, title: str = "") -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError as e:  # pragma: no cover - matplotlib is in the dev extra
         raise ImportError("diloco plot needs matplotlib: pip install 'diloco-serverless[plot]'") from e
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
@@ -96,6 +97,7 @@ def plot_losses(metrics: Metrics, out: str | Path, *, title: str = "") -> Path:
         if eval_curve:
             ax.plot([p[0] for p in eval_curve], [p[1] for p in eval_curve], lw=2.5,
                     color="black", marker="o", label="eval")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
         ax.set_ylabel("loss")
         ax.set_title(f"DiLoCo {title}".strip())

@@ -110,7 +110,7 @@ def test_launch_with_executor_object_and_attach(tmp_path: Path) -> None:
     assert final.state == "succeeded" and final.final_url == f"{run.url}/final"
     assert final.eval_loss == pytest.approx(4.7)
     again = Run.attach(run.url, executor=ex)
-    assert again.status().round == 1 and again.config.rounds == 2
+    assert again.status().round == 2 and again.config.rounds == 2
     assert again.logs(1, tail=1) == "rank 1 line 19\n"
 
 

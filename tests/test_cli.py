@@ -154,7 +154,7 @@ def test_status_table_of_finished_run(workdir: Path, fake: FakeExecutor) -> None
     assert result.exit_code == 0, result.output
     rows = [line for line in result.stdout.splitlines() if line.startswith("│") and "succeeded" in line]
     assert len(rows) == 4  # one per replica
-    assert "2/3" in result.stdout  # round 2 of 3 rounds (0-based)
+    assert "3/3" in result.stdout  # 3 of 3 rounds done
     assert "state succeeded" in result.stdout
     assert "model: file://" in result.stdout
 
@@ -163,7 +163,7 @@ def test_status_watch_stops_when_done(workdir: Path, fake: FakeExecutor) -> None
     url = _launched(workdir)
     result = runner.invoke(app, ["status", url, "--watch", "--interval", "0.1"])
     assert result.exit_code == 0
-    assert "round 2/3" in result.stdout and "state succeeded" in result.stdout
+    assert "round 3/3" in result.stdout and "state succeeded" in result.stdout
 
 
 def test_ls_lists_runs(workdir: Path, fake: FakeExecutor) -> None:
@@ -171,7 +171,7 @@ def test_ls_lists_runs(workdir: Path, fake: FakeExecutor) -> None:
     result = runner.invoke(app, ["ls", "runs"])
     assert result.exit_code == 0, result.output
     line = next(line for line in result.stdout.splitlines() if " r1 " in f" {line} ")
-    assert "succeeded" in line and "local" in line and "2/3" in line
+    assert "succeeded" in line and "local" in line and "3/3" in line
 
 
 def test_logs_tail_and_bad_rank(workdir: Path, fake: FakeExecutor) -> None:

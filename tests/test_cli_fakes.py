@@ -25,7 +25,7 @@ def simulate_replicas(run_url: str, n: int, rounds: int, *, fail_ranks: tuple[in
             write_metrics(store, rank, rnd, metrics)
         failed = rank in fail_ranks
         state = "failed" if failed else ("done" if finish else "training")
-        write_heartbeat(store, Heartbeat(rank=rank, round=rounds - 1, step=rounds * 4, loss=5.0 - 0.5 * (rounds - 1),
+        write_heartbeat(store, Heartbeat(rank=rank, round=rounds, step=rounds * 4, loss=5.0 - 0.5 * (rounds - 1),
                                          state=state, bytes_up=1000 * rounds, bytes_down=1500 * rounds,
                                          message="boom: simulated crash" if failed else None))
         store.put(log_key(rank), "".join(f"rank {rank} line {i}\n" for i in range(20)).encode())
