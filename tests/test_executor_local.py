@@ -172,3 +172,12 @@ def test_supervisor_killed_is_reported_failed(tmp_path: Path, env: dict[str, str
     state = ex.poll(handles)[0]
     assert state.status is ReplicaStatus.FAILED and "supervisor process" in (state.reason or "")
     os.kill(json.loads((hb / "rank-0.json").read_text())["pid"], 9)  # the orphaned replica
+
+
+def test_follow_logs_streams_until_the_replica_ends(tmp_path: Path, env: dict[str, str]) -> None:
+    ex = _executor(tmp_path, retries=0)
+    handles = ex.launch_replicas(1, FAKE, ["--sleep-s", "0.3"], env=env)
+    lines = list(ex.follow_logs(handles[0], poll_interval_s=0.05))
+    assert any("fake replica rank=0" in ln for ln in lines)
+    assert any("rank 0 done" in ln for ln in lines)
+    assert ex.poll(handles)[0].status is ReplicaStatus.SUCCEEDED
