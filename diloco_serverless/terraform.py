@@ -26,6 +26,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 __all__ = [
+    "REQUIRED_OUTPUTS",
     "TERRAFORM_BINARY_ENV",
     "TerraformOutputError",
     "TerraformOutputs",
@@ -45,6 +46,10 @@ _CLOUD_OUTPUTS: dict[Cloud, tuple[str, ...]] = {
     "aws": ("region", "replica_policy_arn"),
     "gcp": ("location", "replica_service_account"),
 }
+REQUIRED_OUTPUTS: dict[Cloud, tuple[str, ...]] = {
+    cloud: _COMMON_OUTPUTS + extra for cloud, extra in _CLOUD_OUTPUTS.items()
+}
+"""The outputs `load_terraform_outputs` insists on, per cloud (infra/<cloud>/outputs.tf declares them)."""
 _MODULE_HINT = "the outputs of infra/aws or infra/gcp from diloco-serverless"
 _FIX_HINT = (
     "run `terraform apply` in the module directory (infra/aws or infra/gcp) first, "
@@ -154,7 +159,7 @@ def parse_terraform_outputs(values: Mapping[str, Any], *, source: str) -> Terraf
     """Validate output values (already unwrapped from `terraform output -json`) into `TerraformOutputs`."""
     url = values.get("exchange_url")
     cloud = _cloud_of(url, values)
-    required = _COMMON_OUTPUTS + (_CLOUD_OUTPUTS[cloud] if cloud else ())
+    required = REQUIRED_OUTPUTS[cloud] if cloud else _COMMON_OUTPUTS
     missing = [name for name in required if values.get(name) is None]
     if cloud is None:
         missing.append("region or location (AWS: region, replica_policy_arn; GCP: location, replica_service_account)")
