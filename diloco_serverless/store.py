@@ -173,8 +173,21 @@ class ObjectStore:
             options = _merge(_default_options(self.protocol, self.retry), storage_options_from_env())
         self._options = _merge(options, dict(storage_options or {}))
         self._fs: Any = None
-        if self.protocol != "file":  # a copy: s3fs edits nested dicts such as config_kwargs
-            self._fs = fsspec.filesystem(self.protocol, **copy.deepcopy(self._options))
+        self._pid = -1
+        self._async = False
+        if self.protocol != "file":
+            self._open_fs()
+
+    def _open_fs(self) -> None:
+        """(Re)create the fsspec file system; also after a fork, whose child must not reuse
+        the parent's event loop and connections (fsspec drops its instance cache on fork)."""
+        # A copy: s3fs edits nested dicts such as config_kwargs in place.
+        self._fs = fsspec.filesystem(self.protocol, **copy.deepcopy(self._options))
+        if self.protocol == "s3":
+            # All retries are ours (RetryPolicy): a create-only PUT whose response was lost and
+            # that s3fs silently retried would report "exists" although we created it.
+            self._fs.retries = 1
+        self._pid = os.getpid()
         self._async = bool(getattr(self._fs, "async_impl", False))
 
     # ----------------------------------------------------------------- structure
@@ -184,6 +197,8 @@ class ObjectStore:
     @property
     def fs(self) -> Any:
         """The underlying fsspec file system (``None`` for local stores)."""
+        if self._fs is not None and self._pid != os.getpid():
+            self._open_fs()
         return self._fs
 
     def child(self, prefix: str) -> "ObjectStore":
@@ -221,9 +236,10 @@ class ObjectStore:
     def _fs_call(self, method: str, *args: Any, timeout_s: float, **kwargs: Any) -> Any:
         """Call fs.<method>; on async file systems run ``_<method>`` bounded by ``timeout_s``."""
         if self._async:
-            return sync(self._fs.loop, getattr(self._fs, "_" + method), *args,
+            fs = self.fs
+            return sync(fs.loop, getattr(fs, "_" + method), *args,
                         timeout=max(timeout_s, 0.001), **kwargs)
-        return getattr(self._fs, method)(*args, **kwargs)
+        return getattr(self.fs, method)(*args, **kwargs)
 
     # ----------------------------------------------------------------- writes
     def put(self, key: str, data: bytes) -> None:
@@ -256,9 +272,9 @@ class ObjectStore:
                 return store_local.atomic_create(path, data)
             if self.protocol == "memory":
                 with _MEMORY_LOCK:
-                    if self._fs.isfile(path):
+                    if self.fs.isfile(path):
                         return False
-                    self._fs.pipe_file(path, data)
+                    self.fs.pipe_file(path, data)
                     return True
             try:
                 self._fs_call("pipe_file", path, data, mode="create", timeout_s=remaining)
@@ -330,7 +346,7 @@ class ObjectStore:
         return found, [k for k, v in zip(keys, values) if v is None]
 
     def _get_many_async(self, keys: list[str]) -> tuple[dict[str, bytes], list[str]]:
-        by_path = {self._fs._strip_protocol(self._path(k)): k for k in keys}
+        by_path = {self.fs._strip_protocol(self._path(k)): k for k in keys}
         found: dict[str, bytes] = {}
         missing: list[str] = []
 
@@ -366,7 +382,7 @@ class ObjectStore:
                 return os.path.isfile(path)
             try:
                 if self.protocol == "s3":  # one HEAD; s3fs's info() would also LIST on a miss
-                    bucket, name, _ = self._fs.split_path(path)
+                    bucket, name, _ = self.fs.split_path(path)
                     self._fs_call("call_s3", "head_object", Bucket=bucket, Key=name,
                                   timeout_s=remaining)
                     return True
@@ -386,8 +402,8 @@ class ObjectStore:
         def attempt(remaining: float) -> list[str]:
             if self.protocol == "file":
                 return _local_find(path)
-            if self._fs is not None and hasattr(self._fs, "invalidate_cache"):
-                self._fs.invalidate_cache(path)
+            if hasattr(self.fs, "invalidate_cache"):
+                self.fs.invalidate_cache(path)
             try:
                 return list(self._fs_call("find", path, timeout_s=remaining))
             except FileNotFoundError:

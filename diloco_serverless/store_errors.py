@@ -70,6 +70,13 @@ def _optional_types() -> tuple[type[BaseException], ...]:
         found += [bex.ResponseStreamingError, bex.IncompleteReadError]
     except (ImportError, AttributeError):  # pragma: no cover - s3 extra absent
         pass
+    try:  # the rest of s3fs.core.S3_RETRYABLE_ERRORS (we run s3fs with retries=1)
+        from botocore.parsers import ResponseParserError
+        from urllib3.exceptions import IncompleteRead
+
+        found += [ResponseParserError, IncompleteRead]
+    except ImportError:  # pragma: no cover
+        pass
     try:
         import aiohttp
 
@@ -187,9 +194,9 @@ def translate_error(exc: BaseException, *, url: str, key: str, op: str) -> Store
     where = f"{url}/{key}" if key else url
     detail = f"{type(exc).__name__}: {exc}".strip()
     if isinstance(exc, FileNotFoundError):
-        return ObjectNotFound(
-            f"{op} {where}: no such object (or no such bucket/folder) [{detail}]",
-            url=url, key=key, op=op)
+        what = ("the bucket does not exist; create it (see infra/) or fix the store URL"
+                if op.startswith("put") else "no such object (or no such bucket)")
+        return ObjectNotFound(f"{op} {where}: {what} [{detail}]", url=url, key=key, op=op)
     if is_access_denied(exc):
         return StoreAccessDenied(
             f"{op} {where}: access denied; check the credentials (env or storage_options) "

@@ -28,17 +28,20 @@ class RetryPolicy:
         max_attempts: attempts per operation, the first included (>= 1).
         base_delay_s: backoff before the second attempt; doubles each retry.
         max_delay_s: cap on one backoff sleep.
-        timeout_s: deadline for the whole operation, attempts and sleeps included. Each
-            attempt on an async back end (s3fs, gcsfs) is cancelled when it passes the
-            deadline, so an unreachable store fails with ``StoreUnavailable`` in about this
-            time. The exchange passes its own timeout here.
+        timeout_s: deadline for the whole operation, attempts, transfers and sleeps
+            included. Each attempt on an async back end (s3fs, gcsfs) is cancelled when it
+            passes the deadline, so a store that never answers fails with
+            ``StoreUnavailable`` in about this time; one that refuses connections fails
+            sooner, after ``max_attempts``. It must leave room for the largest legitimate
+            transfer. The exchange passes its own timeout here
+            (``ObjectStore(url, retry=RetryPolicy(timeout_s=...))`` or ``store.with_retry``).
         jitter: fraction of each sleep randomised (0 = deterministic).
     """
 
     max_attempts: int = 6
     base_delay_s: float = 0.2
     max_delay_s: float = 5.0
-    timeout_s: float = 120.0
+    timeout_s: float = 300.0
     jitter: float = 0.5
 
     def __post_init__(self) -> None:

@@ -188,3 +188,21 @@ def test_subprocess_reaches_gcs_from_env_alone(gcs_store_url: str, gcs_env: dict
     gcs_requests.enforce_generation_match = True
     assert "from-child" in _run_child(gcs_store_url + "/run", gcs_env)
     assert ObjectStore(gcs_store_url + "/run", gcs_storage_options).get("from-child") == b"hello"
+
+
+def _forked_put(store: ObjectStore) -> None:
+    store.put("from-fork", str(os.getpid()).encode())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+def test_store_survives_fork(s3_store_url: str, s3_storage_options: dict[str, Any]) -> None:
+    """A store used before a fork keeps working in the child (new loop and connections)."""
+    import multiprocessing
+
+    store = ObjectStore(s3_store_url, s3_storage_options, retry=FAST)
+    store.put("before-fork", b"x")
+    child = multiprocessing.get_context("fork").Process(target=_forked_put, args=(store,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert store.get("from-fork") == str(child.pid).encode()
