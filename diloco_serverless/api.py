@@ -281,12 +281,7 @@ def _price_of(kind: str | None, gpu: str | None, executor: Any | None) -> float 
     own = getattr(executor, "usd_per_replica_hour", None)
     if isinstance(own, (int, float)):
         return float(own)
-    if kind not in pricing.PRICE_TABLES:
-        return None
-    try:
-        return pricing.usd_per_replica_hour(kind, gpu)
-    except pricing.UnknownGPU:
-        return None
+    return pricing.usd_per_replica_hour(kind, gpu) if kind is not None else None
 
 
 def _launched_at(record: RunRecord) -> float | None:

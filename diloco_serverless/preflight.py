@@ -90,14 +90,42 @@ def _terraform_store(path: str | Path) -> str:
         raise LaunchError(one_line(str(e))) from None
 
 
-def check_executor_kind(kind: str, gpu: str | None) -> str:
-    """Validate the executor kind and GPU type; return the canonical GPU name."""
+def check_executor_kind(kind: str, gpu: str | None) -> str | None:
+    """Validate the executor kind and GPU type with the executors' own rules; return the canonical GPU.
+
+    Checked before the executor is built, so an unknown GPU is reported even where the SDK or
+    token is missing. ``None`` means the executor's default.
+    """
     if kind not in EXECUTOR_KINDS:
         raise LaunchError(f"unknown executor {kind!r}; use --executor local, modal or hf-jobs")
+    if gpu is None:
+        return None
+    if kind == "local":
+        if gpu.strip().lower() != "cpu":
+            raise LaunchError(f"the local executor runs on CPU; drop --gpu {gpu} (or use --executor modal)")
+        return None
+    if kind == "modal":
+        from diloco_serverless.executors.base import ExecutorUnavailable
+        from diloco_serverless.executors.modal import normalize_gpu
+
+        try:
+            return normalize_gpu(gpu)
+        except ExecutorUnavailable as e:
+            raise LaunchError(f"{e}; e.g. --gpu H100") from None
+    flavors = _hf_flavors()
+    if gpu not in flavors:
+        raise LaunchError(f"unknown HF Jobs flavor {gpu!r}; use one of: {', '.join(sorted(flavors))}")
+    return gpu
+
+
+def _hf_flavors() -> set[str]:
+    """HF Jobs flavors from ``huggingface_hub.JobHardware``, or the price table without the SDK."""
     try:
-        return pricing.normalize_gpu(kind, gpu)
-    except pricing.UnknownGPU as e:
-        raise LaunchError(str(e)) from None
+        from huggingface_hub import JobHardware
+
+        return {f.value for f in JobHardware}
+    except ImportError:
+        return set(pricing.HF_JOBS_USD_PER_HOUR)
 
 
 def check_store_reachable(store_url: str, kind: str) -> None:
@@ -143,7 +171,11 @@ def check_launch(cfg: RunConfig, executor: Any, *, gpu: str | None = None,
         kind = executor
         gpu = check_executor_kind(kind, gpu)
         check_store_reachable(cfg.store, kind)
-        built = build_executor(kind, gpu, dict(executor_options or {}))
+        options = dict(executor_options or {})
+        if kind == "local" and options.get("secrets"):
+            raise LaunchError("--secret is for modal and hf-jobs replicas; local replicas inherit your environment")
+        built = build_executor(kind, gpu, options)
+        gpu = getattr(built, "gpu", None) or getattr(built, "flavor", None) or gpu
     else:
         built = executor
         kind = executor_kind(executor, "custom")

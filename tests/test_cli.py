@@ -52,9 +52,9 @@ BAD_INPUT = [
     (["--set", "inner.lrr=0.1"], "unknown config key 'inner.lrr'"),
     (["--set", "rounds=0"], "rounds"),
     (["--set", "nonsense"], "must look like key=value"),
-    (["--executor", "modal", "--gpu", "X100", "--store", "s3://b/p"], "unknown Modal GPU type 'X100'"),
+    (["--executor", "modal", "--gpu", "X100", "--store", "s3://b/p"], "unknown GPU 'X100'"),
     (["--executor", "hf-jobs", "--flavor", "a100-huge", "--store", "s3://b/p"], "unknown HF Jobs flavor"),
-    (["--executor", "modal", "--gpu", "H100:99", "--store", "s3://b/p"], "bad GPU count"),
+    (["--executor", "modal", "--gpu", "H100:99", "--store", "s3://b/p"], "unknown GPU 'H100:99'"),
     (["--gpu", "H100"], "the local executor runs on CPU"),
     (["--executor", "modal", "--store", "./runs"], "cannot see the local folder"),
     (["--store", "memory://x"], "lives in one process"),
@@ -62,6 +62,7 @@ BAD_INPUT = [
     (["--max-usd", "0"], "--max-usd must be positive"),
     (["--max-usd", "5", "--detach"], "drop --detach"),
     (["--store", "./runs", "--store-from-terraform", "infra/aws"], "not both"),
+    (["--secret", "aws-creds"], "--secret is for modal and hf-jobs replicas"),
 ]
 
 
@@ -243,3 +244,22 @@ def test_simulated_run_helper_marks_failure_in_heartbeat(workdir: Path, fake: Fa
     simulate_replicas(f"file://{url}", 4, 3, fail_ranks=(1,))
     result = runner.invoke(app, ["status", url])
     assert "boom: simulated crash" in result.stdout
+
+
+def test_missing_modal_token_is_reported_before_launch(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
+    monkeypatch.delenv("MODAL_TOKEN_SECRET", raising=False)
+    monkeypatch.setenv("MODAL_CONFIG_PATH", str(workdir / "no-modal.toml"))
+    result = runner.invoke(app, ["launch", "--executor", "modal", "--gpu", "H100", "--store", "s3://bucket/runs"])
+    assert result.exit_code == 2
+    assert "MODAL_TOKEN_ID" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_hf_token_is_reported_before_launch(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(workdir / "hf-home"))
+    monkeypatch.setenv("HF_TOKEN_PATH", str(workdir / "hf-home" / "token"))
+    result = runner.invoke(app, ["launch", "--executor", "hf-jobs", "--flavor", "a10g-small", "--store", "gs://b/runs"])
+    assert result.exit_code == 2
+    assert "HF_TOKEN" in result.stderr and len(result.stderr.strip().splitlines()) == 1
