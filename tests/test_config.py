@@ -1,0 +1,148 @@
+"""RunConfig: TOML loading, --set overrides, field-level errors, secrets refused, docs in sync."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from diloco_serverless.config import RUN_ID_PATTERN, ConfigError, RunConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_valid_and_follow_diloco() -> None:
+    cfg = RunConfig()
+    assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == (0.7, 0.9, True)
+    assert cfg.replicas == 4 and cfg.store == "./runs" and cfg.model.name == "tiny"
+    assert cfg.data.source == "stdlib"
+    assert cfg.loss.alpha_sdpo > 0 and cfg.loss.beta_replay > 0  # all three channels live by default
+    assert re.match(RUN_ID_PATTERN, cfg.run_id) and cfg.run_id.startswith("run-")
+    assert cfg.effective_min_replicas == 4
+    assert cfg.run_url == f"./runs/{cfg.run_id}"
+
+
+def test_toml_sections_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        'run_id = "exp-1"\nreplicas = 2\n[inner]\nlr = 1e-4\nsync_every = 10\n[exchange]\ncodec = "bf16"\n'
+    )
+    cfg = RunConfig.load(
+        path,
+        ["inner.lr=3e-4", "exchange.error_feedback=true", "inner.betas=[0.8, 0.9]",
+         "model.name=Qwen/Qwen2.5-0.5B", 'data.source="s3://b/train.jsonl"', "min_replicas=1"],
+    )
+    assert cfg.run_id == "exp-1" and cfg.replicas == 2 and cfg.min_replicas == 1
+    assert cfg.inner.lr == 3e-4 and cfg.inner.sync_every == 10 and cfg.inner.betas == (0.8, 0.9)
+    assert cfg.exchange.codec == "bf16" and cfg.exchange.error_feedback is True
+    assert cfg.model.name == "Qwen/Qwen2.5-0.5B" and cfg.data.source == "s3://b/train.jsonl"
+    assert RunConfig.from_toml(path).inner.lr == 1e-4
+
+
+def test_json_round_trip() -> None:
+    cfg = RunConfig.load(None, ["replicas=3", "exchange.codec=int8", "loss.entropy_opd_h_max=2.5"])
+    data = json.loads(json.dumps(cfg.to_json_dict()))
+    assert RunConfig.from_dict(data) == cfg
+    assert set(data) >= {"run_id", "store", "replicas", "model", "data", "inner", "outer", "loss", "exchange"}
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("inner.lrr=1", "did you mean inner.lr"),
+        ("lr=1", "inner.lr, outer.lr"),
+        ("exchange.codecs=int8", "did you mean exchange.codec"),
+        ("inner=3", "targets a whole section"),
+        ("no_equals_sign", "key=value"),
+    ],
+)
+def test_bad_override_keys(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        RunConfig.load(None, [override])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "fix"),
+    [
+        (["replicas=0"], "replicas", "greater than or equal to 1"),
+        (["min_replicas=5"], "min_replicas (5)", "replicas (4)"),
+        (["exchange.codec=fp8"], "exchange.codec", "'fp32', 'bf16' or 'int8'"),
+        (["loss.dpo_variant=ipo"], "loss.dpo_variant", "'dpo' or 'simpo'"),
+        (["loss.sdpo_wrapper=x"], "loss.sdpo_wrapper", "'taid' or 'entropy_opd'"),
+        (["exchange.fragments=0"], "exchange.fragments", "greater than or equal to 1"),
+        (["inner.sync_every=10", "exchange.fragments=3"], "inner.sync_every (10)", "multiple of exchange.fragments"),
+        (["exchange.fragment_sync_delay=16"], "fragment_sync_delay (16)", "smaller than"),
+        (["data.prompt_len=128"], "data.prompt_len (128)", "smaller than data.seq_len"),
+        (["data.seq_len=abc"], "data.seq_len", "valid integer"),
+        (["inner.lr=-1"], "inner.lr", "greater than 0"),
+        (["loss.jsd_beta=2"], "loss.jsd_beta", "less than or equal to 1"),
+        (["loss.taid_t_start=0.9", "loss.taid_t_end=0.5"], "loss.taid_t_end", ">= loss.taid_t_start"),
+        (["run_id=bad/id"], "run_id", "pattern"),
+        (["outer.momentum=0"], "outer.nesterov", "momentum > 0"),
+    ],
+)
+def test_invalid_values_name_the_field(overrides: list[str], field: str, fix: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        RunConfig.load(None, overrides)
+    message = str(info.value)
+    assert field in message and fix in message and "--set" in message
+
+
+def test_unknown_key_in_file_names_file_and_suggestion(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[exchange]\nfragmnets = 2\n")
+    with pytest.raises(ConfigError, match=r"exchange\.fragmnets.*c\.toml.*did you mean exchange\.fragments"):
+        RunConfig.load(path, [])
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        RunConfig.load(tmp_path / "nope.toml", [])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("replicas = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        RunConfig.load(bad, [])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "store=s3://AKIAIOSFODNN7EXAMPLE@bucket/x",
+        "store=s3://user:hunter2@minio.local/bucket",
+        "model.name=hf_abcdefghijklmnopqrstuvwxyzABCDEFGH",
+        "data.source=https://host/data.jsonl?X-Amz-Signature=abc",
+    ],
+)
+def test_secret_looking_values_are_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match="credentials never go into the config"):
+        RunConfig.load(None, [override])
+
+
+def test_no_credential_fields_exist() -> None:
+    names = " ".join(RunConfig.field_paths()).lower()
+    for word in ("secret", "password", "token", "access_key", "credential"):
+        assert word not in names
+
+
+def test_compose_kwargs_passes_taid_t_only_for_taid() -> None:
+    cfg = RunConfig.load(None, ["loss.sdpo_wrapper=taid"])
+    assert cfg.loss.compose_kwargs(taid_t=0.5)["taid_t"] == 0.5
+    assert RunConfig().loss.compose_kwargs(taid_t=0.5)["taid_t"] is None
+    assert RunConfig().loss.needs_reference
+    assert not RunConfig.load(None, ["loss.dpo_variant=simpo"]).loss.needs_reference
+    assert not RunConfig.load(None, ["loss.beta_replay=0"]).loss.needs_reference
+
+
+def test_examples_load() -> None:
+    examples = sorted((ROOT / "examples").glob("*.toml"))
+    assert examples, "examples/*.toml missing"
+    for path in examples:
+        RunConfig.from_toml(path)
+
+
+def test_docs_list_every_field() -> None:
+    doc = (ROOT / "docs" / "config.md").read_text()
+    missing = [p for p in RunConfig.field_paths() if f"`{p}`" not in doc]
+    assert not missing, f"docs/config.md lacks {missing}"
