@@ -5,6 +5,7 @@
 * :func:`atomic_create` writes a finished temporary file and ``os.link``s it to the target.
   ``link(2)`` fails with ``EEXIST`` if the target exists, atomically, so exactly one of many
   concurrent creators wins, and the winner's file is complete the moment it appears.
+  On file systems without hard links it falls back to an ``O_EXCL`` claim file + rename.
 
 Temporary files are named ``.diloco-tmp-*`` and are hidden from listings
 (:func:`is_temp_name`). A crash can leave one behind; it is never mistaken for an object.
@@ -12,10 +13,11 @@ Temporary files are named ``.diloco-tmp-*`` and are hidden from listings
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 
-__all__ = ["TEMP_PREFIX", "is_temp_name", "atomic_write", "atomic_create"]
+__all__ = ["TEMP_PREFIX", "NO_HARD_LINKS", "is_temp_name", "atomic_write", "atomic_create"]
 
 TEMP_PREFIX = ".diloco-tmp-"
 
@@ -54,10 +56,15 @@ def atomic_write(path: str, data: bytes) -> None:
         raise
 
 
+#: ``link(2)`` errors meaning "this file system has no hard links" (FAT, some FUSE mounts).
+NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV})
+
+
 def atomic_create(path: str, data: bytes) -> bool:
     """Create ``path`` with ``data`` only if it does not exist. True if this call created it.
 
-    Raises ``OSError`` (e.g. ``EPERM``/``ENOTSUP``) on file systems without hard links.
+    Uses ``os.link`` of a finished temporary file. Where the file system has no hard links,
+    falls back to :func:`_claim_and_rename`.
     """
     if os.path.lexists(path):
         return False
@@ -67,8 +74,32 @@ def atomic_create(path: str, data: bytes) -> bool:
         return True
     except FileExistsError:
         return False
+    except OSError as exc:
+        if exc.errno not in NO_HARD_LINKS:
+            raise
+        return _claim_and_rename(tmp, path)
     finally:
         _unlink_quietly(tmp)
+
+
+def _claim_and_rename(tmp: str, path: str) -> bool:
+    """Fallback create-only without hard links: the ``O_EXCL`` creator of a hidden claim file
+    for ``path`` checks that ``path`` is absent and renames its finished temporary file onto
+    it; everyone else loses. Readers still never see half a file. A creator killed while
+    holding the claim leaves the key uncreatable until ``.diloco-tmp-claim-<name>`` is deleted."""
+    folder, name = os.path.split(path)
+    claim = os.path.join(folder, f"{TEMP_PREFIX}claim-{name}")
+    try:
+        os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return False
+    try:  # only the claim holder gets here: check-then-rename is exclusive
+        if os.path.lexists(path):
+            return False
+        os.replace(tmp, path)
+        return True
+    finally:
+        _unlink_quietly(claim)
 
 
 def _unlink_quietly(path: str) -> None:

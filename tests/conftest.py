@@ -48,21 +48,25 @@ def _unique(prefix: str) -> str:
 # --------------------------------------------------------------------------- S3 (moto)
 def _make_moto_conditional_puts_atomic() -> None:
     """moto checks ``If-None-Match: *`` and then stores the key without a lock, so two
-    concurrent conditional PUTs can both succeed; real S3 is atomic. Serialise PutObject so
-    the server behaves like S3 (the header is still evaluated by moto itself)."""
+    concurrent conditional writes can both succeed; real S3 is atomic. Serialise PutObject and
+    the POSTs that complete multipart uploads so the server behaves like S3 (the header is
+    still evaluated by moto itself)."""
     from moto.s3.responses import S3Response
 
     if getattr(S3Response.put_object, "_diloco_locked", False):
         return
-    original = S3Response.put_object
-    lock = threading.Lock()
+    lock = threading.RLock()
 
-    def put_object(self: Any) -> Any:
-        with lock:
-            return original(self)
+    def locked(original: Any) -> Any:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return original(self, *args, **kwargs)
 
-    put_object._diloco_locked = True  # type: ignore[attr-defined]
-    S3Response.put_object = put_object  # type: ignore[method-assign]
+        method._diloco_locked = True  # type: ignore[attr-defined]
+        return method
+
+    S3Response.put_object = locked(S3Response.put_object)  # type: ignore[method-assign]
+    S3Response._key_response_post = locked(S3Response._key_response_post)  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -206,3 +207,30 @@ def test_store_survives_fork(s3_store_url: str, s3_storage_options: dict[str, An
     child.join(60)
     assert child.exitcode == 0
     assert store.get("from-fork") == str(child.pid).encode()
+
+
+def test_local_create_only_without_hard_links(file_store_url: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On file systems where link(2) fails with EPERM (FAT, some FUSE mounts) the claim-file
+    fallback still lets exactly one of N racing creators win, and leaves no claim behind."""
+    import errno
+
+    def no_link(src: str, dst: str) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted", dst)
+
+    monkeypatch.setattr(os, "link", no_link)
+    store = ObjectStore(file_store_url)
+    n = 12
+    barrier = threading.Barrier(n)
+
+    def contend(i: int) -> bool:
+        barrier.wait()
+        return store.put_if_absent("quorum.json", f"writer-{i}".encode())
+
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(contend, range(n)))
+    assert sum(results) == 1
+    assert store.get("quorum.json") == f"writer-{results.index(True)}".encode()
+    assert os.listdir(file_store_url[len("file://"):]) == ["quorum.json"]
+    store.delete("quorum.json")
+    assert store.put_if_absent("quorum.json", b"again") is True
