@@ -22,13 +22,18 @@ from diloco_serverless.terraform import REQUIRED_OUTPUTS
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 DATA = Path(__file__).parent / "data"
-_OPTIONS = hcl2.SerializationOptions(strip_string_quotes=True, explicit_blocks=False, with_comments=False)
+# python-hcl2 >= 8 keeps string quotes unless told otherwise; older releases strip them already.
+_OPTIONS = (
+    hcl2.SerializationOptions(strip_string_quotes=True, explicit_blocks=False, with_comments=False)
+    if hasattr(hcl2, "SerializationOptions")
+    else None
+)
 _ROOT_MODULE_FILES = ("versions.tf", "variables.tf", "main.tf", "iam.tf", "outputs.tf", "terraform.tfvars.example", "README.md")
 
 
 def _parse(path: Path) -> dict[str, Any]:
     with path.open(encoding="utf-8") as f:
-        return hcl2.load(f, serialization_options=_OPTIONS)
+        return hcl2.load(f) if _OPTIONS is None else hcl2.load(f, serialization_options=_OPTIONS)
 
 
 def _load_module(cloud: str) -> dict[str, Any]:
