@@ -96,19 +96,25 @@ def _split_url(url: str) -> tuple[str, str, str]:
     url = url.strip()
     if "://" not in url:
         root = os.path.abspath(os.path.expanduser(url))
-        return "file", root, "file://" + root
+        return "file", root, _url_for("file", root)
     proto, rest = url.split("://", 1)
     proto = _ALIASES.get(proto.lower(), proto.lower())
     if proto == "file":
         root = os.path.abspath(os.path.expanduser(rest or "/"))
-        return "file", root, "file://" + root
-    if proto == "memory":
+    elif proto == "memory":
         root = "/" + rest.strip("/")
-        return "memory", root, "memory://" + rest.strip("/")
-    root = rest.strip("/")
-    if not root:
-        raise ValueError(f"store URL {url!r} names no bucket; use {proto}://<bucket>[/prefix]")
-    return proto, root, f"{proto}://{root}"
+    else:
+        root = rest.strip("/")
+        if not root:
+            raise ValueError(f"store URL {url!r} names no bucket; use {proto}://<bucket>[/prefix]")
+    return proto, root, _url_for(proto, root)
+
+
+def _url_for(protocol: str, root: str) -> str:
+    """The normalised URL of a store rooted at ``root`` (as the file system spells it)."""
+    if protocol == "file":
+        return "file://" + root
+    return f"{protocol}://{root.strip('/')}"
 
 
 def _check_key(key: str, *, allow_empty: bool = False) -> str:
@@ -207,7 +213,7 @@ class ObjectStore:
         other = object.__new__(ObjectStore)
         other.__dict__.update(self.__dict__)
         other._root = self._path(prefix)
-        other.url = f"{self.url}/{prefix}"
+        other.url = _url_for(self.protocol, other._root)
         return other
 
     def with_retry(self, retry: RetryPolicy) -> "ObjectStore":
