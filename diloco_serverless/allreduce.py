@@ -134,7 +134,7 @@ class ObjectStoreAllReduce:
         self._pool: ThreadPoolExecutor | None = None
         self._io: CountingStore | None = None
         if world_size > 1:  # world_size == 1 touches no store, not even to open it
-            self._io = CountingStore(_open_store(url, storage_options).child(run_id))
+            self._io = CountingStore(_open_store(url, storage_options, timeout_s).child(run_id))
 
     # ------------------------------------------------------------------ public API
 
@@ -220,7 +220,7 @@ class ObjectStoreAllReduce:
         assert io is not None and rs.stats is not None
         quorum = read_quorum(io, run_id=self.run_id, round=rs.r)
         if quorum is None:
-            if rs.r > 0 and io.exists(quorum_key(rs.r + 1)):
+            if io.exists(quorum_key(rs.r + 1)):
                 raise RoundPrunedError(
                     f"round {rs.r} has no quorum but round {rs.r + 1} does: rank {self.rank} is behind the run; "
                     "heal from the latest checkpoint"
@@ -342,12 +342,16 @@ class ObjectStoreAllReduce:
         return self._pool
 
 
-def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None) -> ObjectStore:
+def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, timeout_s: float) -> ObjectStore:
+    """Open the store; no single store operation (retries included) may outlive the round's timeout."""
+    from dataclasses import replace
+
     from diloco_serverless.store import ObjectStore
 
-    if isinstance(url, ObjectStore):
-        return url
-    return ObjectStore(url, storage_options)
+    store = url if isinstance(url, ObjectStore) else ObjectStore(url, storage_options)
+    if store.retry.timeout_s > timeout_s:
+        store = store.with_retry(replace(store.retry, timeout_s=timeout_s))
+    return store
 
 
 def _validate(
