@@ -154,8 +154,8 @@ def _build_named(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel,
         model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(
-            f"cannot load model {cfg.name!r} (revision {cfg.revision!r}): {exc}. Check the name or local path, "
-            "network access to the Hub (HF_TOKEN for gated models), or use model.name=\"tiny\""
+            f"cannot load model {cfg.name!r} (revision {cfg.revision!r}): {str(exc).rstrip('.')}. "
+            "Check the name or local path, network access to the Hub (HF_TOKEN for gated models), or use model.name=\"tiny\""
         ) from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
