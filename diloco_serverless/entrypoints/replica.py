@@ -1,0 +1,113 @@
+"""One DiLoCo replica: what every executor launches.
+
+    REPLICA_RANK=0 DILOCO_RUN_URL=s3://bucket/runs/run-x python -m diloco_serverless.entrypoints.replica
+    python -m diloco_serverless.entrypoints.replica --run-url ./runs/run-x --rank 1
+
+Environment: ``REPLICA_RANK`` (required unless ``--rank``), ``DILOCO_RUN_URL`` (unless ``--run-url``),
+``DILOCO_ATTEMPT`` (restart counter, recorded in heartbeats), ``DILOCO_DEVICE`` (default: cuda if
+available), storage credentials/endpoints the standard way (``AWS_*``, ``DILOCO_STORAGE_OPTIONS``...).
+Everything else comes from the run's ``run.json``.
+
+Exit codes: 0 success (or the run had already finished); 2 a problem found before training (bad
+run.json, rank outside the run, empty data shard, model/checkpoint mismatch, unreachable store),
+printed as one line ``error: ...``; 1 a failure during training (traceback in the log, one-line
+summary last); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+__all__ = ["main"]
+
+logger = logging.getLogger("diloco_serverless.replica")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m diloco_serverless.entrypoints.replica",
+                                     description="Run one DiLoCo replica of a run stored in an object store.")
+    parser.add_argument("--run-url", default=os.environ.get("DILOCO_RUN_URL"),
+                        help="<store_url>/<run_id> (default: $DILOCO_RUN_URL)")
+    parser.add_argument("--rank", type=int, default=None, help="replica rank (default: $REPLICA_RANK)")
+    parser.add_argument("--device", default=os.environ.get("DILOCO_DEVICE"), help="torch device (default: auto)")
+    parser.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
+    return parser.parse_args(argv)
+
+
+def _rank(args: argparse.Namespace) -> int:
+    if args.rank is not None:
+        return int(args.rank)
+    raw = os.environ.get("REPLICA_RANK")
+    if raw is None or not raw.strip().lstrip("-").isdigit():
+        raise ValueError(f"REPLICA_RANK must be set to this replica's integer rank (got {raw!r}), or pass --rank")
+    return int(raw)
+
+
+def _attempt() -> int:
+    raw = os.environ.get("DILOCO_ATTEMPT", "0")
+    if not raw.strip().isdigit():
+        raise ValueError(f"DILOCO_ATTEMPT must be a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
+def _setup_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean "fix the input", reported as one line with exit code 2."""
+    from diloco_serverless.checkpoint import CheckpointCorrupt
+    from diloco_serverless.config import ConfigError
+    from diloco_serverless.data_common import DataError
+    from diloco_serverless.diloco import CheckpointMismatch
+    from diloco_serverless.model import ModelLoadError
+    from diloco_serverless.run import RunError
+    from diloco_serverless.store_errors import StoreError
+
+    return (RunError, ConfigError, DataError, CheckpointMismatch, CheckpointCorrupt, ModelLoadError, StoreError,
+            ValueError)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s rank=%(rank)s %(name)s: %(message)s")
+    rank_text = os.environ.get("REPLICA_RANK", "?") if args.rank is None else str(args.rank)
+    old_factory = logging.getLogRecordFactory()
+
+    def factory(*a: object, **kw: object) -> logging.LogRecord:
+        record = old_factory(*a, **kw)  # type: ignore[arg-type]
+        record.rank = rank_text
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        if not args.run_url:
+            raise ValueError("no run URL: set DILOCO_RUN_URL or pass --run-url <store_url>/<run_id>")
+        rank, attempt = _rank(args), _attempt()
+        from diloco_serverless.train import ReplicaTrainer
+
+        trainer = ReplicaTrainer.from_run(args.run_url, rank, attempt=attempt, device=args.device)
+    except KeyboardInterrupt:
+        return 130
+    except _setup_errors() as exc:
+        print(f"error: replica rank {rank_text} of {args.run_url}: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    try:
+        result = trainer.run()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the one-line summary is the contract
+        logger.exception("training failed")
+        print(f"error: replica rank {rank} of {args.run_url} failed: {_one_line(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, _setup_errors()) else 1
+    logger.info("done: %d rounds (%d trained, %d replayed), final written by this rank: %s, eval loss %s",
+                result.rounds, result.trained_rounds, result.replayed_rounds, result.final_written, result.eval_loss)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
