@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # terraform init + test: tens of seconds per module
+
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 PROVIDERS = {"aws": "aws", "gcp": "google"}
