@@ -1,5 +1,11 @@
 # Least privilege for replicas: list the run prefix, and read/write/delete objects under it.
 # Nothing else: no bucket configuration, no other prefixes, no other buckets.
+#
+# ListBucket also decides how S3 answers a GET/HEAD of a missing key: 404 NoSuchKey with it,
+# 403 AccessDenied without. S3 evaluates that check with s3:prefix set to the requested key, so
+# the prefix condition below still yields honest 404s for keys under the prefix, which the store
+# relies on (ObjectNotFound vs StoreAccessDenied). Create-only writes (If-None-Match: *) need
+# only s3:PutObject; multipart uploads need PutObject and AbortMultipartUpload.
 
 data "aws_iam_policy_document" "replica" {
   statement {
