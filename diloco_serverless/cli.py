@@ -146,6 +146,8 @@ def launch(
         None, "--store-from-terraform", help="Terraform dir (or saved `terraform output -json` file) whose exchange_url is the store."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: run-<date>-<time>-<hex>)."),
     secret: list[str] = typer.Option([], "--secret", help="Modal Secret / HF Jobs secret name with storage credentials (repeatable)."),
+    retries: Optional[int] = typer.Option(None, "--retries", min=0,
+                                          help="Restarts per replica after a crash or preemption (executor default: local 2, modal 3, hf-jobs 2)."),
     poll_interval_s: float = typer.Option(2.0, "--poll-interval", help="Seconds between progress polls.", min=0.1),
 ) -> None:
     """Create a run in the store, start its replicas, and follow it to the end (unless --detach)."""
@@ -159,7 +161,9 @@ def launch(
             raise LaunchError(f"--max-usd must be positive (got {max_usd})")
         if max_usd is not None and detach:
             raise LaunchError("--max-usd needs the launcher attached to enforce it; drop --detach")
-        options = {"secrets": list(secret)} if secret else None
+        options: dict[str, Any] = {"secrets": list(secret)} if secret else {}
+        if retries is not None:
+            options["retries"] = retries
         run = api_launch(config, executor, overrides=set_, replicas=replicas, store=store, run_id=run_id,
                          gpu=gpu, store_from_terraform=store_from_terraform, executor_options=options)
         out.print(f"launched {run.config.replicas} {run.executor_kind} replicas of run {run.run_id}", markup=False)

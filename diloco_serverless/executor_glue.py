@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -112,10 +113,21 @@ def launch_args(run_url: str) -> list[str]:
     return ["--run-url", run_url]
 
 
+def replica_env(executor: Any, n_replicas: int, run_url: str) -> dict[str, str]:
+    """Environment added to every replica: the run URL and, for local processes, a fair share of
+    the CPU cores per replica (``OMP_NUM_THREADS``) so N torch processes do not oversubscribe the
+    machine; a value the user exported wins."""
+    env = {"DILOCO_RUN_URL": run_url}
+    if executor_kind(executor, "") == "local" and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, n_replicas)))
+    return env
+
+
 def launch_replicas(executor: Any, n_replicas: int, run_url: str) -> list[dict[str, Any]]:
     """Start ``n_replicas`` of the replica entrypoint for ``run_url``; return their handle dicts."""
     handles = executor.launch_replicas(
-        n_replicas, REPLICA_ENTRYPOINT, launch_args(run_url), env={"DILOCO_RUN_URL": run_url},
+        n_replicas, REPLICA_ENTRYPOINT, launch_args(run_url), env=replica_env(executor, n_replicas, run_url),
     )
     return [handle_to_dict(h) for h in handles]
 
