@@ -375,7 +375,8 @@ class ObjectStore:
             if transient is not None:
                 raise transient
 
-        self._run("get_many", keys[0] if len(keys) == 1 else "", attempt)
+        label = keys[0] if len(keys) == 1 else f"{keys[0]} (and {len(keys) - 1} more keys)"
+        self._run("get_many", label, attempt)
         return found, missing
 
     def exists(self, key: str) -> bool:

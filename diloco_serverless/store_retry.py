@@ -71,10 +71,12 @@ def call_with_retry(
     """
     deadline = time.monotonic() + policy.timeout_s
     last: BaseException | None = None
+    made = 0
     for n in range(1, policy.max_attempts + 1):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
+        made = n
         try:
             return attempt(remaining)
         except Exception as exc:  # noqa: BLE001 - classified right below
@@ -86,9 +88,11 @@ def call_with_retry(
         if n < policy.max_attempts:
             time.sleep(max(0.0, min(policy.delay_s(n), deadline - time.monotonic())))
     where = f"{url}/{key}" if key else url
-    detail = f"{type(last).__name__}: {last}" if last is not None else "deadline passed"
+    detail = "deadline passed" if last is None else f"{type(last).__name__}: {last}"
+    if last is not None and not str(last):
+        detail = f"{type(last).__name__}: no answer before the deadline"
     raise StoreUnavailable(
-        f"{op} {where}: store unreachable or failing after {policy.max_attempts} attempts / "
-        f"{policy.timeout_s:g} s; check the endpoint, network and credentials, or raise "
+        f"{op} {where}: store unreachable or failing after {made} attempt(s) within the "
+        f"{policy.timeout_s:g} s deadline; check the endpoint, network and credentials, or raise "
         f"RetryPolicy.timeout_s [{detail}]", url=url, key=key, op=op,
     ) from last
