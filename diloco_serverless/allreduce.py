@@ -58,6 +58,9 @@ __all__ = [
 ]
 
 
+_GATHER_BATCH_BYTES = 512 << 20  # fp32 bytes of reduced shards downloaded concurrently
+
+
 @dataclass
 class RoundStats:
     """What one round cost this replica. Bytes are object payloads moved by this replica."""
@@ -253,35 +256,43 @@ class ObjectStoreAllReduce:
         io = self._io
         assert io is not None and rs.stats is not None
         ref = quorum.markers[quorum.participants[0]]
-        parts: dict[int, torch.Tensor] = {}
+        out = torch.empty(ref.numel, dtype=torch.float32)
+        done: set[int] = set()
+
+        def place(j: int, values: torch.Tensor) -> None:
+            out[rs.bounds[j][0] : rs.bounds[j][1]].copy_(values)
+            done.add(j)
+
         for j in range(self.world_size):
             if quorum.participants[j % len(quorum.participants)] == self.rank:
-                parts[j] = self._reduce(rs, quorum, j, ref)
+                place(j, self._reduce(rs, quorum, j, ref))
                 rs.stats.reduced_shards.append(j)
         started, sleep_s = time.monotonic(), min(0.005, self.poll_interval_s)
-        while len(parts) < self.world_size:
-            missing = [j for j in range(self.world_size) if j not in parts]
-            present = shards_in(io.list(reduced_prefix(rs.r))) & set(missing)
-            keys = [reduced_key(rs.r, j) for j in sorted(present)]
-            for k, data in io.get_many(keys).items():
-                j = int(k.rsplit("/", 1)[1])
-                parts[j] = decode_shard(data, key=k, expect=self._reduced_header(rs.r, j, rs.bounds[j], ref))
+        while len(done) < self.world_size:
+            missing = [j for j in range(self.world_size) if j not in done]
+            present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
+            for batch in _batches(present, rs.bounds, _GATHER_BATCH_BYTES // 4):
+                keys = {j: reduced_key(rs.r, j) for j in batch}
+                blobs = io.get_many(list(keys.values()))
+                for j, key in keys.items():
+                    place(j, decode_shard(blobs.pop(key), key=key, expect=self._reduced_header(rs.r, j, rs.bounds[j], ref)))
             if present:
                 sleep_s = min(0.005, self.poll_interval_s)
                 continue
             now = time.monotonic()
             if now - started >= self.takeover_timeout_s:
                 for j in missing:
-                    parts[j] = self._reduce(rs, quorum, j, ref)
+                    place(j, self._reduce(rs, quorum, j, ref))
                     rs.stats.takeovers.append(j)
                 continue
             if now >= rs.deadline:
                 owners = {j: quorum.participants[j % len(quorum.participants)] for j in missing}
                 raise TimeoutError(f"round {rs.r}: reduced shards never appeared (shard: owner rank) {owners}; check those replicas")
-            time.sleep(min(sleep_s, max(0.0, rs.deadline - now)))
-            rs.stats.wait_s += min(sleep_s, max(0.0, rs.deadline - now))
+            pause = min(sleep_s, max(0.0, rs.deadline - now))
+            time.sleep(pause)
+            rs.stats.wait_s += pause
             sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
-        return torch.cat([parts[j] for j in range(self.world_size)])
+        return out
 
     def _reduce(self, rs: _Round, quorum: Quorum, j: int, ref: ReadyMarker) -> torch.Tensor:
         """Mean of shard j over the quorum (rank order, fp32), stored create-only; returns the stored values."""
@@ -340,6 +351,21 @@ class ObjectStoreAllReduce:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=min(16, self.world_size), thread_name_prefix=f"exchange-{self.rank}")
         return self._pool
+
+
+def _batches(shards: list[int], bounds: list[tuple[int, int]], max_elems: int) -> list[list[int]]:
+    """Group shards into concurrent downloads of at most ``max_elems`` elements (at least one shard each)."""
+    out: list[list[int]] = []
+    size = 0
+    for j in shards:
+        n = bounds[j][1] - bounds[j][0]
+        if out and size + n <= max_elems:
+            out[-1].append(j)
+            size += n
+        else:
+            out.append([j])
+            size = n
+    return out
 
 
 def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, timeout_s: float) -> ObjectStore:

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as _st_load
 
 from diloco_serverless.exchange_errors import CorruptObjectError
 
@@ -153,8 +153,9 @@ def pack(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> byte
     header_json = json.dumps(dict(header), sort_keys=True, separators=(",", ":"))
     meta = {"format": FORMAT, "header": header_json, "checksum": _checksum(header_json, names, bufs)}
     st_header: dict[str, Any] = {"__metadata__": meta}
+    layout = sorted(names, key=lambda n: -tensors[n].element_size())  # keep every tensor aligned
     offset = 0
-    for n in names:
+    for n in layout:
         t = tensors[n]
         if t.dtype not in _ST_DTYPES:
             raise ValueError(f"cannot store tensor {n!r} of dtype {t.dtype} in an exchange object")
@@ -162,27 +163,19 @@ def pack(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> byte
         offset += len(bufs[n])
     hb = json.dumps(st_header, separators=(",", ":")).encode()
     hb += b" " * ((-len(hb)) % 8)
-    out = bytearray(8 + len(hb) + offset)
-    out[:8] = struct.pack("<Q", len(hb))
-    out[8 : 8 + len(hb)] = hb
-    pos = 8 + len(hb)
-    for n in names:
-        out[pos : pos + len(bufs[n])] = bufs[n]
-        pos += len(bufs[n])
-    return bytes(out)
+    return b"".join([struct.pack("<Q", len(hb)), hb, *(bufs[n] for n in layout)])  # one copy of the data
 
 
 def unpack(data: bytes, *, key: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Parse and verify an object written by :func:`pack`; returns ``(tensors, header)``.
 
-    Raises :class:`CorruptObjectError` naming ``key`` when the bytes are truncated, not safetensors,
-    not an exchange object, or fail the checksum. The caller should re-upload or discard the object.
+    Tensors are read-only views of ``data`` (no copy). Raises :class:`CorruptObjectError` naming
+    ``key`` when the bytes are truncated, not safetensors, not an exchange object, or fail the
+    checksum; the object is then never used (re-run the round, or delete the stray object).
     """
     try:
-        tensors = _st_load(bytes(data))
-        (hlen,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(bytes(data[8 : 8 + hlen])).get("__metadata__") or {}
-    except (SafetensorError, ValueError, struct.error, json.JSONDecodeError, TypeError) as e:
+        meta, tensors = _parse_safetensors(memoryview(data).cast("B"))
+    except (ValueError, KeyError, TypeError, struct.error) as e:
         raise CorruptObjectError(f"exchange object {key!r} is truncated or not safetensors ({len(data)} bytes): {e}") from e
     if meta.get("format") != FORMAT or "header" not in meta or "checksum" not in meta:
         raise CorruptObjectError(f"object {key!r} is safetensors but not a {FORMAT} exchange object; refusing it")
@@ -190,7 +183,7 @@ def unpack(data: bytes, *, key: str) -> tuple[dict[str, torch.Tensor], dict[str,
     got = _checksum(meta["header"], names, {n: _tensor_bytes(tensors[n]) for n in names})
     if got != meta["checksum"]:
         raise CorruptObjectError(
-            f"exchange object {key!r} failed its checksum (stored {meta['checksum'][:20]}..., computed {got[:20]}...); "
+            f"exchange object {key!r} failed its checksum (stored {str(meta['checksum'])[:20]}..., computed {got[:20]}...); "
             "it was corrupted in transit or at rest and is not averaged in"
         )
     try:
@@ -198,6 +191,36 @@ def unpack(data: bytes, *, key: str) -> tuple[dict[str, torch.Tensor], dict[str,
     except json.JSONDecodeError as e:  # pragma: no cover - checksum covers the header text
         raise CorruptObjectError(f"exchange object {key!r} has an unreadable header: {e}") from e
     return tensors, header
+
+
+_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _parse_safetensors(buf: memoryview) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Strict safetensors parser (same rules as the reference: the tensors tile the data section
+    exactly). Raises ValueError/KeyError/TypeError on any violation."""
+    (hlen,) = struct.unpack("<Q", buf[:8])
+    if 8 + hlen > len(buf):
+        raise ValueError(f"header length {hlen} runs past the end of the object")
+    header = json.loads(bytes(buf[8 : 8 + hlen]))
+    meta = header.pop("__metadata__", None) or {}
+    body = buf[8 + hlen :]
+    tensors: dict[str, torch.Tensor] = {}
+    end = 0
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        dtype = _FROM_ST[info["dtype"]]
+        a, b = (int(v) for v in info["data_offsets"])
+        count = math.prod(int(d) for d in info["shape"])
+        if a != end or b - a != count * dtype.itemsize:
+            raise ValueError(f"tensor {name!r} has inconsistent offsets {a}..{b}")
+        end = b
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write into it
+            t = torch.frombuffer(body, dtype=torch.uint8, count=b - a, offset=a) if b > a else torch.empty(0, dtype=torch.uint8)
+        tensors[name] = t.view(dtype).reshape([int(d) for d in info["shape"]])
+    if end != len(body):
+        raise ValueError(f"data section has {len(body)} bytes but the tensors cover {end}")
+    return meta, tensors
 
 
 # --------------------------------------------------------------------------- shards
