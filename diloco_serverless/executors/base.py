@@ -134,7 +134,7 @@ class ReplicaResult:
         parts = [f"rank {self.rank} {self.status.value}"]
         if self.exit_code is not None:
             parts.append(f"(exit code {self.exit_code})")
-        if self.reason:
+        if self.reason and self.reason != self.status.value:
             parts.append(f": {self.reason}")
         return " ".join(parts).replace(" :", ":")
 
@@ -159,7 +159,7 @@ def format_failures(failed: Sequence[ReplicaResult], *, kind: str = "", tail_lin
         if tail:
             lines.append(f"  last {len(tail)} log line(s) of rank {r.rank}:")
             lines.extend(f"    | {ln}" for ln in tail)
-    lines.append("Fix the cause above, then relaunch (replicas resume from the latest checkpoint).")
+    lines.append("Full logs: `diloco logs RUN_URL --rank R`.")
     return "\n".join(lines)
 
 
