@@ -267,7 +267,9 @@ class ObjectStore:
 
         Returns True if this call created the object, False if one existed (its bytes are
         left untouched). If an attempt failed transiently (its response lost) and a retry then
-        finds the object, the object is read back: True if it holds exactly ``data``.
+        finds the object, the object is read back: True if it holds exactly ``data``. (gcsfs
+        also retries inside one attempt, invisibly; there a lost response can read as False.)
+        Not atomic on fsspec protocols other than file, memory, s3 and gs.
         """
         key = _check_key(key)
         path, data = self._path(key), bytes(data)
@@ -290,7 +292,10 @@ class ObjectStore:
 
         created = self._run("put_if_absent", key, attempt, on_retry=retried.append)
         if not created and retried:
-            return self.get(key) == data
+            try:
+                return self.get(key) == data
+            except ObjectNotFound:  # deleted in between: we did not create what is there
+                return False
         return created
 
     def put_json(self, key: str, obj: Any) -> None:
