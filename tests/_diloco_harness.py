@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -152,3 +153,40 @@ def assert_identical(reps: list[DiLoCoReplica]) -> None:
         other = rep.global_named_parameters()
         for k in first:
             assert torch.equal(first[k], other[k]), f"{k} differs between rank 0 and rank {rep.manager.rank}"
+
+
+# ---------------------------------------------------------------------------- whole-replica runs
+def write_jsonl(path: Path, n: int = 40) -> str:
+    """A small JSONL corpus (all three compose_loss channels live); returns its path."""
+    import json
+
+    lines = []
+    for i in range(n):
+        body = f"    y = x * {i % 7}\n    z = y + {i}\n    return z - {i % 3}\n"
+        lines.append(json.dumps({"prompt": f"def f{i}(x):\n", "response": body, "hint": f"returns {i % 7}x+{i}"}))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def tiny_run_overrides(data_path: str, replicas: int, *, rounds: int = 2, sync_every: int = 2,
+                       **extra: object) -> list[str]:
+    """--set overrides for a run that takes seconds on 2 CPU cores."""
+    base = {
+        "replicas": replicas, "rounds": rounds, "checkpoint_every": 1, "eval_every": 1,
+        "inner.sync_every": sync_every, "inner.warmup_steps": 1, "data.source": f'"{data_path}"',
+        "data.batch_size": 2, "data.seq_len": 32, "data.prompt_len": 8, "data.hint_len": 8,
+        "data.eval_batches": 1, "data.eval_fraction": 0.2, "exchange.straggler_timeout_s": 60,
+        "exchange.takeover_timeout_s": 20, "exchange.poll_interval_s": 0.05, "exchange.round_timeout_s": 120,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def create_tiny_run(store_url: str, data_path: str, replicas: int, run_id: str = "run-test", **kw: object) -> str:
+    """Create a run in ``store_url``; returns the run URL."""
+    from diloco_serverless.config import RunConfig
+    from diloco_serverless.run import create_run
+
+    cfg = RunConfig.load(None, [f"run_id={run_id}", *tiny_run_overrides(data_path, replicas, **kw)])
+    store, _ = create_run(store_url, cfg)
+    return store.url

@@ -34,6 +34,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=None, help="replica rank (default: $REPLICA_RANK)")
     parser.add_argument("--device", default=os.environ.get("DILOCO_DEVICE"), help="torch device (default: auto)")
     parser.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
+    parser.add_argument("--dump-params", default=os.environ.get("DILOCO_DUMP_PARAMS"), metavar="DIR",
+                        help="debugging: write this replica's final global parameters to DIR/rank-<r>.safetensors")
     return parser.parse_args(argv)
 
 
@@ -71,6 +73,16 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
+def _dump(trainer: object, folder: str, rank: int) -> None:
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    params = trainer.rep.global_named_parameters()  # type: ignore[attr-defined]
+    save_file({k: v.contiguous() for k, v in params.items()}, str(Path(folder) / f"rank-{rank}.safetensors"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -104,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("training failed")
         print(f"error: replica rank {rank} of {args.run_url} failed: {_one_line(exc)}", file=sys.stderr)
         return 2 if isinstance(exc, _setup_errors()) else 1
+    if args.dump_params:
+        _dump(trainer, args.dump_params, rank)
     logger.info("done: %d rounds (%d trained, %d replayed), final written by this rank: %s, eval loss %s",
                 result.rounds, result.trained_rounds, result.replayed_rounds, result.final_written, result.eval_loss)
     return 0
