@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from diloco_serverless import api, executor_glue
 from diloco_serverless.cli import app
-from test_cli_fakes import FakeExecutor, simulate_replicas
+from test_cli_fakes import FakeExecutor
 
 runner = CliRunner()
 
@@ -233,17 +233,18 @@ def test_max_usd_cancels_before_budget(workdir: Path, monkeypatch: pytest.Monkey
     assert run_json["launch"]["usd_per_replica_hour"] == 3600.0
 
 
-def test_simulated_run_helper_marks_failure_in_heartbeat(workdir: Path, fake: FakeExecutor) -> None:
-    """Status without an executor (heartbeats only) still shows the failed rank and its message."""
+def test_status_without_executor_falls_back_to_heartbeats(workdir: Path, fake: FakeExecutor,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the executor cannot be rebuilt (SDK or token missing here), status reads heartbeats."""
     fake.fail_ranks = (1,)
     url = _launched(workdir, "--detach")
-    monkey_ex = executor_glue.build_executor
-    assert monkey_ex("local", None, {}) is fake
-    (Path(url) / "run.json").write_text(
-        json.dumps({**json.loads((Path(url) / "run.json").read_text()), "launch": None}))
-    simulate_replicas(f"file://{url}", 4, 3, fail_ranks=(1,))
+    monkeypatch.setattr(api, "executor_from_launch", lambda launch: (None, "no modal SDK here"))
     result = runner.invoke(app, ["status", url])
-    assert "boom: simulated crash" in result.stdout
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if line.startswith("│    1 "))
+    assert "failed" in row and "boom: simulated crash" in row
+    cancel = runner.invoke(app, ["cancel", url])
+    assert cancel.exit_code == 2 and "no modal SDK here" in cancel.stderr
 
 
 def test_missing_modal_token_is_reported_before_launch(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
