@@ -148,12 +148,14 @@ def launch(
     secret: list[str] = typer.Option([], "--secret", help="Modal Secret / HF Jobs secret name with storage credentials (repeatable)."),
     retries: Optional[int] = typer.Option(None, "--retries", min=0,
                                           help="Restarts per replica after a crash or preemption (executor default: local 2, modal 3, hf-jobs 2)."),
+    executor_opt: list[str] = typer.Option([], "--executor-opt", "-x",
+                                           help="Executor option KEY=VALUE, repeatable (e.g. -x local_source=true, -x namespace=my-org)."),
     poll_interval_s: float = typer.Option(2.0, "--poll-interval", help="Seconds between progress polls.", min=0.1),
 ) -> None:
     """Create a run in the store, start its replicas, and follow it to the end (unless --detach)."""
     from diloco_serverless.api import RunFailed
     from diloco_serverless.api import launch as api_launch
-    from diloco_serverless.preflight import LaunchError
+    from diloco_serverless.preflight import LaunchError, parse_options
 
     out = _out()
     with _errors():
@@ -161,7 +163,9 @@ def launch(
             raise LaunchError(f"--max-usd must be positive (got {max_usd})")
         if max_usd is not None and detach:
             raise LaunchError("--max-usd needs the launcher attached to enforce it; drop --detach")
-        options: dict[str, Any] = {"secrets": list(secret)} if secret else {}
+        options: dict[str, Any] = parse_options(executor_opt)
+        if secret:
+            options["secrets"] = list(secret)
         if retries is not None:
             options["retries"] = retries
         run = api_launch(config, executor, overrides=set_, replicas=replicas, store=store, run_id=run_id,

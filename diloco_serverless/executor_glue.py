@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,9 +36,20 @@ def build_executor(kind: str, gpu: str | None, options: dict[str, Any]) -> Any:
     if kind in _GPU_OPTION and gpu is not None:
         options.setdefault(_GPU_OPTION[kind], gpu)
     try:
+        cls = executors.executor_class(kind)
+        unknown = sorted(set(options) - set(executor_options(cls)))
+        if unknown:
+            raise LaunchError(f"the {kind} executor has no option {unknown[0]!r}; "
+                              f"its options: {', '.join(executor_options(cls))}")
         return executors.get_executor(kind, **options)
     except _BUILD_ERRORS as e:
         raise LaunchError(one_line(str(e)) or f"cannot build the {kind} executor ({type(e).__name__})") from None
+
+
+def executor_options(cls: type) -> list[str]:
+    """Keyword options an executor class accepts (its ``__init__`` parameters)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 

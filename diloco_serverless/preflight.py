@@ -90,6 +90,23 @@ def _terraform_store(path: str | Path) -> str:
         raise LaunchError(one_line(str(e))) from None
 
 
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["retries=3", "local_source=true"]`` -> ``{"retries": 3, "local_source": True}`` (TOML values,
+    falling back to plain strings, as ``--set`` does)."""
+    from diloco_serverless.config import tomllib
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise LaunchError(f"--executor-opt {item!r} must look like KEY=VALUE, e.g. -x local_source=true")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = text.strip()
+    return out
+
+
 def check_executor_kind(kind: str, gpu: str | None) -> str | None:
     """Validate the executor kind and GPU type with the executors' own rules; return the canonical GPU.
 

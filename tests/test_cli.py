@@ -63,6 +63,7 @@ BAD_INPUT = [
     (["--max-usd", "5", "--detach"], "drop --detach"),
     (["--store", "./runs", "--store-from-terraform", "infra/aws"], "not both"),
     (["--secret", "aws-creds"], "--secret is for modal and hf-jobs replicas"),
+    (["-x", "retries"], "must look like KEY=VALUE"),
 ]
 
 
@@ -77,6 +78,13 @@ def test_launch_bad_input_is_one_line_and_creates_nothing(workdir: Path, fake: F
     assert "Traceback" not in result.output
     assert not (workdir / "runs").exists()
     assert fake.launched == []
+
+
+def test_unknown_executor_option_lists_the_real_ones(workdir: Path) -> None:
+    result = runner.invoke(app, ["launch", "-x", "colour=blue"])
+    assert result.exit_code == 2
+    assert "the local executor has no option 'colour'; its options: retries, log_dir" in result.stderr
+    assert not (workdir / "runs").exists()
 
 
 def test_launch_unwritable_store_is_probed_before_anything(workdir: Path, fake: FakeExecutor) -> None:
