@@ -16,9 +16,10 @@ Failure: an empty shard raises :class:`DataError` naming the rank and the file c
 
 from __future__ import annotations
 
-import ast
 import bisect
+import inspect
 import os
+import re
 import sysconfig
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -86,11 +87,40 @@ class _Doc:
     hint: list[int]
 
 
+_DOCSTRING = re.compile(r"""\A(?:[ \t]*(?:\#[^\n]*)?\r?\n)*[ \t]*[rRuU]?(\"\"\"|\'\'\'|\"|\')(.*?)\1""", re.DOTALL)
+_PROBE = "def f(x):\n\treturn 'h\u00e9llo \U0001f642' # 1234 \r\n"
+
+
 def _module_docstring(text: str) -> str | None:
+    """The leading triple-quoted string after comments and blank lines (cheap, no full parse)."""
+    match = _DOCSTRING.match(text)
+    return inspect.cleandoc(match.group(2)) if match else None
+
+
+def _is_byte_tokenizer(tokenizer: Any) -> bool:
+    """True when ``tokenizer`` maps text to its UTF-8 bytes (the tiny preset): lines then need no tokenizer."""
     try:
-        return ast.get_docstring(ast.parse(text))
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
+        return list(tokenizer(_PROBE, add_special_tokens=False)["input_ids"]) == list(_PROBE.encode("utf-8"))
+    except Exception:  # noqa: BLE001 - any tokenizer failure just disables the fast path
+        return False
+
+
+def _line_token_ids(tokenizer: Any, text: str, lines: list[str], byte_level: bool) -> list[list[int]]:
+    """Token ids of ``text`` grouped by the line each token starts in (one tokenizer call per file)."""
+    if byte_level:
+        return [list(line.encode("utf-8")) for line in lines]
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    except NotImplementedError:  # slow tokenizers have no offsets: tokenize line by line
+        return [list(x) for x in tokenizer(lines, add_special_tokens=False, verbose=False)["input_ids"]]
+    starts, pos = [], 0
+    for line in lines:
+        starts.append(pos)
+        pos += len(line)
+    out: list[list[int]] = [[] for _ in lines]
+    for tid, (begin, _end) in zip(enc["input_ids"], enc["offset_mapping"]):
+        out[max(0, bisect.bisect_right(starts, begin) - 1)].append(tid)
+    return out
 
 
 class StdlibSource:
@@ -121,6 +151,7 @@ class StdlibSource:
             "train": self._cumulative([sizes[f] for f in self.train_files]),
             "eval": self._cumulative([sizes[f] for f in self.eval_files]),
         }
+        self._byte_level = _is_byte_tokenizer(tokenizer)
         self._cache: OrderedDict[str, _Doc] = OrderedDict()
         self._cache_files = cache_files
 
@@ -160,12 +191,12 @@ class StdlibSource:
             return doc
         text = (self.root / rel).read_text(encoding="utf-8", errors="replace")
         lines = text.splitlines(keepends=True) or [text]
-        ids = self.tokenizer(lines, add_special_tokens=False)["input_ids"]
+        ids = _line_token_ids(self.tokenizer, text, lines, self._byte_level)
         docstring = _module_docstring(text)
         hint_text = f"# file: {rel}\n" + (f'"""{docstring}"""\n' if docstring else "")
         hint_text = hint_text[: 16 * self.data.hint_len]  # enough characters for hint_len tokens
-        hint = self.tokenizer(hint_text, add_special_tokens=False)["input_ids"][: self.data.hint_len]
-        doc = _Doc(rel, [list(x) for x in ids], list(hint))
+        hint = self.tokenizer(hint_text, add_special_tokens=False, verbose=False)["input_ids"][: self.data.hint_len]
+        doc = _Doc(rel, ids, list(hint))
         self._cache[rel] = doc
         if len(self._cache) > self._cache_files:
             self._cache.popitem(last=False)
