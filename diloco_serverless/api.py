@@ -159,6 +159,9 @@ class Run:
         replicas = [build_replica(r, states.get(r), members.get(r), now, STALE_AFTER_S) for r in range(n)]
         start = _launched_at(self.record)
         elapsed = max(0.0, now - start) if start is not None and self.handles else 0.0
+        ages = [r.heartbeat_age_s for r in replicas if r.heartbeat_age_s is not None]
+        if ages and all(r.state in TERMINAL for r in replicas):
+            elapsed = max(0.0, elapsed - min(ages))  # a finished run's wall time ends at its last heartbeat
         price = self.usd_per_replica_hour
         est = None if price is None else price * sum(billed_seconds(replicas, elapsed)) / 3600.0
         final = f"{self.url}/{FINAL_PREFIX}" if self._has_final() else None

@@ -206,15 +206,34 @@ def _print_failed_logs(out: Console, run: Any, status: Any, lines: int = 8) -> N
 
 
 # ---------------------------------------------------------------------------------------- reading
-def _attach(run_url: str) -> Any:
-    from diloco_serverless.api import Run
+RUN_HELP = ("<store_url>/<run_id> as printed by `diloco launch`, or a run id under ./runs; "
+            "default: the latest run under ./runs.")
+DEFAULT_STORE = "./runs"
 
-    return Run.attach(run_url)
+
+def _attach(run_url: str | None) -> Any:
+    """Open the run: a run URL, a bare run id under ./runs, or (None) the latest run under ./runs."""
+    from diloco_serverless.api import Run
+    from diloco_serverless.preflight import LaunchError
+    from diloco_serverless.run import RunNotFound, join_run_url, list_runs
+
+    if run_url is None:
+        runs = list_runs(DEFAULT_STORE) if Path(DEFAULT_STORE).is_dir() else []
+        if not runs:
+            raise LaunchError(f"no runs under {DEFAULT_STORE}; pass a run URL such as s3://bucket/runs/<run_id>")
+        return Run.attach(runs[-1].url)
+    try:
+        return Run.attach(run_url)
+    except RunNotFound:
+        bare = "/" not in run_url and "://" not in run_url
+        if bare and Path(DEFAULT_STORE, run_url, "run.json").is_file():
+            return Run.attach(join_run_url(DEFAULT_STORE, run_url))
+        raise
 
 
 @app.command()
 def status(
-    run_url: str = typer.Argument(..., help="<store_url>/<run_id>, as printed by `diloco launch`."),
+    run_url: Optional[str] = typer.Argument(None, help=RUN_HELP),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until the run ends (Ctrl-C to stop watching)."),
     interval_s: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch.", min=0.1),
 ) -> None:
@@ -241,7 +260,7 @@ def status(
 
 @app.command()
 def logs(
-    run_url: str = typer.Argument(..., help="<store_url>/<run_id>."),
+    run_url: Optional[str] = typer.Argument(None, help=RUN_HELP),
     rank: int = typer.Option(0, "--rank", "-r", help="Replica rank."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until the replica ends."),
     tail: Optional[int] = typer.Option(None, "--tail", help="Only the last N lines."),
@@ -251,7 +270,7 @@ def logs(
     with _errors():
         run = _attach(run_url)
         text = run.logs(rank, tail=tail)
-        sys.stdout.write(text)
+        sys.stdout.write(text if follow or text.endswith("\n") or not text else text + "\n")
         sys.stdout.flush()
         if follow:
             _follow(run, rank, text, interval_s)
@@ -277,16 +296,22 @@ def _follow(run: Any, rank: int, seen: str, interval_s: float) -> None:
 
 
 @app.command()
-def cancel(run_url: str = typer.Argument(..., help="<store_url>/<run_id>.")) -> None:
+def cancel(run_url: Optional[str] = typer.Argument(None, help=RUN_HELP)) -> None:
     """Cancel every replica of a run through the executor that launched it."""
     with _errors():
         run = _attach(run_url)
+        from diloco_serverless.status import TERMINAL
+
+        current = run.status()
+        if all(r.state in TERMINAL for r in current.replicas):
+            _out().print(f"run {run.run_id} already {current.state}; nothing to cancel", markup=False)
+            return
         run.cancel()
         _out().print(f"cancelled {len(run.handles)} replicas of run {run.run_id}", markup=False)
 
 
 @app.command("ls")
-def ls_(store_url: str = typer.Argument("./runs", help="Store URL runs live under.")) -> None:
+def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live under.")) -> None:
     """List the runs under a store URL: created, executor, replicas, rounds, state, loss."""
     from diloco_serverless.api import Run
     from diloco_serverless.run import list_runs
@@ -310,7 +335,7 @@ def ls_(store_url: str = typer.Argument("./runs", help="Store URL runs live unde
 
 @app.command()
 def plot(
-    run_url: str = typer.Argument(..., help="<store_url>/<run_id>."),
+    run_url: Optional[str] = typer.Argument(None, help=RUN_HELP),
     output: Path = typer.Option(Path("loss.png"), "--output", "-o", help="PNG file to write."),
 ) -> None:
     """Plot per-replica training loss and eval loss against rounds (PNG, matplotlib Agg)."""

@@ -193,6 +193,14 @@ def test_logs_tail_and_bad_rank(workdir: Path, fake: FakeExecutor) -> None:
     assert "rank 9 is not in run r1: it has ranks 0..3" in bad.stderr
 
 
+def test_cancel_of_finished_run_is_a_no_op(workdir: Path, fake: FakeExecutor) -> None:
+    url = _launched(workdir)
+    result = runner.invoke(app, ["cancel", url])
+    assert result.exit_code == 0
+    assert "run r1 already succeeded; nothing to cancel" in result.stdout
+    assert fake.cancelled == []
+
+
 def test_plot_writes_png(workdir: Path, fake: FakeExecutor) -> None:
     url = _launched(workdir)
     result = runner.invoke(app, ["plot", url, "-o", "out/loss.png"])
@@ -245,6 +253,7 @@ def test_status_without_executor_falls_back_to_heartbeats(workdir: Path, fake: F
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the executor cannot be rebuilt (SDK or token missing here), status reads heartbeats."""
     fake.fail_ranks = (1,)
+    fake.finish = False  # ranks 0, 2, 3 still training
     url = _launched(workdir, "--detach")
     monkeypatch.setattr(api, "executor_from_launch", lambda launch: (None, "no modal SDK here"))
     result = runner.invoke(app, ["status", url])
@@ -272,3 +281,14 @@ def test_missing_hf_token_is_reported_before_launch(workdir: Path, monkeypatch: 
     result = runner.invoke(app, ["launch", "--executor", "hf-jobs", "--flavor", "a10g-small", "--store", "gs://b/runs"])
     assert result.exit_code == 2
     assert "HF_TOKEN" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_run_defaults_to_latest_under_runs_and_accepts_a_bare_id(workdir: Path, fake: FakeExecutor) -> None:
+    none = runner.invoke(app, ["status"])
+    assert none.exit_code == 2 and "no runs under ./runs" in none.stderr
+    _launched(workdir)
+    assert runner.invoke(app, ["launch", "--run-id", "r2", "--detach"]).exit_code == 0
+    latest = runner.invoke(app, ["status"])
+    assert latest.exit_code == 0 and "run r2" in latest.stdout
+    by_id = runner.invoke(app, ["logs", "r1", "--rank", "0", "--tail", "1"])
+    assert by_id.exit_code == 0 and by_id.stdout == "rank 0 line 19\n"
