@@ -243,3 +243,31 @@ def test_jsonl_unreadable_and_empty(tmp_path: Path, tiny: tuple[Any, Any]) -> No
     (tmp_path / "two.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS[:2]))
     with pytest.raises(DataError, match="rank 1 of 2 replicas gets no training data"):
         JsonlSource(tiny[1], DataConfig(source=str(tmp_path / "two.jsonl")), rank=1, world_size=2, seed=0)
+
+
+def test_stdlib_with_a_merging_tokenizer_groups_tokens_by_line(tmp_path: Path) -> None:
+    """A BPE tokenizer with merges (like any Hub model's) takes the one-call offsets path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from diloco_serverless.data_stdlib import _is_byte_tokenizer, _line_token_ids
+
+    text = '"""Doc of m."""\nimport os\n\n\ndef f(x):\n    return os.path.join(x, x)\n' * 30
+    for i in range(3):
+        (tmp_path / f"m{i}.py").write_text(text)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    ))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
+    assert not _is_byte_tokenizer(tok)
+    lines = text.splitlines(keepends=True)
+    grouped = _line_token_ids(tok, text, lines, byte_level=False)
+    assert [t for g in grouped for t in g] == tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(grouped[4]).startswith("def f(x)")
+    src = StdlibSource(tok, DataConfig(seq_len=64, prompt_len=8), rank=0, world_size=1, seed=0, root=tmp_path)
+    ex = src.train_example(0)
+    assert ex.response and ex.rejected != ex.response and sorted(ex.rejected) == sorted(ex.response)
+    assert tok.decode(ex.teacher_prompt).startswith("# file: m")
