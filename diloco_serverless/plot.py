@@ -1,5 +1,9 @@
 """``diloco plot``: per-replica training loss and eval loss curves from a run's metrics (matplotlib Agg).
 
+The plot shows the language-model cross-entropy (``lm_ce``) of each replica's training batches
+when the metrics carry it, so the curves compare directly with the eval loss (the held-out LM
+cross-entropy of the global model); ``compose_loss``'s total is what ``diloco status`` shows.
+
 Input is what replicas write to ``<run>/metrics/rank-<r>/<round>.json``: one JSON object per
 rank per round. Keys are read tolerantly (see :func:`train_loss_of` / :func:`eval_loss_of`) so
 the plot survives additions to the metrics record.
@@ -14,7 +18,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-_TRAIN_KEYS = ("loss", "train_loss", "train/loss", "total", "lm_ce")
+#: Training-loss keys, in order of preference for the plot: the language-model cross-entropy first,
+#: so the per-replica curves are comparable with the eval loss (also an LM cross-entropy).
+_PLOT_KEYS = ("lm_ce", "loss", "train_loss", "total")
+#: Training-loss keys for "the loss" of a round (status): compose_loss's total first.
+_TRAIN_KEYS = ("loss", "train_loss", "total", "lm_ce")
 _EVAL_KEYS = ("eval_loss", "eval/loss", "val_loss")
 
 Metrics = Mapping[int, Sequence[Mapping[str, Any]]]
@@ -49,18 +57,19 @@ def _x_of(record: Mapping[str, Any], index: int) -> float:
     return float(index)
 
 
-def curves(metrics: Metrics) -> tuple[dict[int, list[tuple[float, float]]], list[tuple[float, float]]]:
+def curves(metrics: Metrics, *, train_keys: Sequence[str] = _TRAIN_KEYS
+           ) -> tuple[dict[int, list[tuple[float, float]]], list[tuple[float, float]]]:
     """(per-rank training curves, eval curve), each a list of (round, loss) sorted by round.
 
     The eval curve averages the eval losses that ranks report for the same round (usually only
-    one rank evaluates).
+    one rank evaluates). ``train_keys`` picks the training loss (first key present wins).
     """
     train: dict[int, list[tuple[float, float]]] = {}
     evals: dict[float, list[float]] = {}
     for rank, records in sorted(metrics.items()):
         for i, rec in enumerate(records):
             x = _x_of(rec, i)
-            loss = train_loss_of(rec)
+            loss = _first(rec, train_keys)
             if loss is not None:
                 train.setdefault(rank, []).append((x, loss))
             ev = eval_loss_of(rec)
@@ -78,7 +87,7 @@ def last_eval_loss(metrics: Metrics) -> float | None:
 
 def plot_losses(metrics: Metrics, out: str | Path, *, title: str = "") -> Path:
     """Write a PNG with one line per replica's training loss and the eval loss; return its path."""
-    train, eval_curve = curves(metrics)
+    train, eval_curve = curves(metrics, train_keys=_PLOT_KEYS)
     if not train and not eval_curve:
         raise ValueError(f"run {title or '?'} has no metrics yet; wait for the first round to finish")
     try:
@@ -99,7 +108,7 @@ def plot_losses(metrics: Metrics, out: str | Path, *, title: str = "") -> Path:
                     color="black", marker="o", label="eval")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
-        ax.set_ylabel("loss")
+        ax.set_ylabel("LM cross-entropy" if any("lm_ce" in r for rs in metrics.values() for r in rs) else "loss")
         ax.set_title(f"DiLoCo {title}".strip())
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

@@ -113,7 +113,7 @@ def summary_lines(status: RunStatus) -> list[str]:
     lines = [
         f"run {status.run_id} {status.state} after {fmt_duration(status.elapsed_s)}",
         f"  final eval loss : {fmt_loss(status.eval_loss)}",
-        f"  final train loss: {fmt_loss(status.loss)}",
+        f"  final train loss: {fmt_loss(status.loss)} (compose_loss total, mean over replicas)",
         f"  rounds          : {_round_of(status)}",
         f"  bytes moved     : {fmt_bytes(status.bytes_moved)}",
         f"  est. spend      : {fmt_usd(status.est_usd)}",
