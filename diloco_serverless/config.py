@@ -44,6 +44,7 @@ __all__ = [
     "ExchangeConfig",
     "RunConfig",
     "generate_run_id",
+    "find_secret",
     "RUN_ID_PATTERN",
 ]
 
@@ -243,7 +244,7 @@ _SECRET_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
-def _find_secret(value: str) -> str | None:
+def find_secret(value: str) -> str | None:
     """Name of the secret kind ``value`` looks like, or None."""
     for kind, pattern in _SECRET_PATTERNS:
         if pattern.search(value):
@@ -463,7 +464,7 @@ def _refuse_secrets(obj: Any, path: str) -> None:
         for i, v in enumerate(obj):
             _refuse_secrets(v, f"{path}[{i}]")
     elif isinstance(obj, str):
-        kind = _find_secret(obj)
+        kind = find_secret(obj)
         if kind is not None:
             raise ValueError(
                 f"{path} looks like it contains {kind}; credentials never go into the config or run.json -- "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_serverless.config import DataConfig
-from diloco_serverless.data_common import DataError, Example, example_rng, shuffle_lines, split_fraction
+from diloco_serverless.data_common import DataError, Example, example_rng, shuffle_lines
 from diloco_serverless.data_stdlib import shard_for_rank, split_train_eval
 
 __all__ = ["Record", "JsonlSource", "read_jsonl_records", "parse_record"]

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from diloco_serverless.config import ConfigError, RunConfig, _find_secret
+from diloco_serverless.config import ConfigError, RunConfig, find_secret
 from diloco_serverless.store import ObjectNotFound, ObjectStore
 
 __all__ = [
@@ -41,6 +41,11 @@ __all__ = [
     "RUN_VERSION",
     "LATEST_CHECKPOINT_KEY",
     "FINAL_PREFIX",
+    "MEMBERS_PREFIX",
+    "ROUNDS_PREFIX",
+    "CHECKPOINTS_PREFIX",
+    "METRICS_PREFIX",
+    "LOGS_PREFIX",
     "RunError",
     "RunNotFound",
     "RunExists",
@@ -320,7 +325,7 @@ def _refuse_secret_values(obj: Any, where: str) -> None:
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             _refuse_secret_values(v, f"{where}[{i}]")
-    elif isinstance(obj, str) and (kind := _find_secret(obj)) is not None:
+    elif isinstance(obj, str) and (kind := find_secret(obj)) is not None:
         raise ValueError(f"{where} looks like {kind}; never record credentials in run.json, keep them in the env")
 
 
