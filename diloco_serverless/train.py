@@ -178,12 +178,13 @@ class ReplicaTrainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
         """Heal, train until the run's last round, write the final model. See the module docstring."""
-        if final_exists(self.store):
-            logger.info("rank %d: run %s already finished (final/DONE.json exists)", self.rank, self.cfg.run_id)
-            return TrainResult(self.rank, self.manager.current_step(), 0, 0, False)
         self.check_checkpoint_compatible()
         self._heartbeat("healing")
         self.heal()
+        if final_exists(self.store):
+            logger.info("rank %d: run %s already finished (final/DONE.json exists)", self.rank, self.cfg.run_id)
+            self.manager.shutdown()
+            return TrainResult(self.rank, self.manager.current_step(), 0, self.replayed, False, self.last_eval)
         try:
             with self.rep:
                 while self.manager.current_step() < self.total_rounds:

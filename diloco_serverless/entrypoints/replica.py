@@ -97,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.setLogRecordFactory(factory)
     try:
+        return _main(args, rank_text)
+    finally:
+        logging.setLogRecordFactory(old_factory)
+
+
+def _main(args: argparse.Namespace, rank_text: str) -> int:
+    try:
         if not args.run_url:
             raise ValueError("no run URL: set DILOCO_RUN_URL or pass --run-url <store_url>/<run_id>")
         rank, attempt = _rank(args), _attempt()
