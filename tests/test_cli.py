@@ -193,6 +193,14 @@ def test_logs_tail_and_bad_rank(workdir: Path, fake: FakeExecutor) -> None:
     assert "rank 9 is not in run r1: it has ranks 0..3" in bad.stderr
 
 
+def test_logs_follow_returns_when_replica_is_done(workdir: Path, fake: FakeExecutor) -> None:
+    url = _launched(workdir)
+    result = runner.invoke(app, ["logs", url, "--rank", "3", "--follow", "--interval", "0.1"])
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[0] == "rank 3 line 0" and lines[-1] == "rank 3 line 19" and len(lines) == 20
+
+
 def test_cancel_of_finished_run_is_a_no_op(workdir: Path, fake: FakeExecutor) -> None:
     url = _launched(workdir)
     result = runner.invoke(app, ["cancel", url])
