@@ -64,6 +64,7 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
 def _errors() -> Iterator[None]:
     """Turn known exceptions into one ``error:`` line and an exit code (no tracebacks)."""
     from diloco_serverless.api import RunFailed
+    from diloco_serverless.executors.base import ExecutorError
     from diloco_serverless.preflight import one_line
 
     if os.environ.get("DILOCO_DEBUG"):
@@ -73,7 +74,7 @@ def _errors() -> Iterator[None]:
         yield
     except typer.Exit:
         raise
-    except RunFailed as e:
+    except (RunFailed, ExecutorError) as e:
         _err(one_line(str(e)))
         raise typer.Exit(EXIT_FAILED) from None
     except TimeoutError as e:
