@@ -35,7 +35,6 @@ from diloco_serverless.exchange_io import (
     CountingStore,
     contrib_key,
     json_bytes,
-    quorum_key,
     ready_key,
     reduced_key,
     reduced_prefix,
@@ -208,6 +207,8 @@ class ObjectStoreAllReduce:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._io is not None:
+            self._io.close()
 
     def __enter__(self) -> ObjectStoreAllReduce:
         return self
@@ -223,11 +224,6 @@ class ObjectStoreAllReduce:
         assert io is not None and rs.stats is not None
         quorum = read_quorum(io, run_id=self.run_id, round=rs.r)
         if quorum is None:
-            if io.exists(quorum_key(rs.r + 1)):
-                raise RoundPrunedError(
-                    f"round {rs.r} has no quorum but round {rs.r + 1} does: rank {self.rank} is behind the run; "
-                    "heal from the latest checkpoint"
-                )
             rs.own = self._publish(rs, flat)
             waited = time.monotonic()
             quorum = wait_for_quorum(io, rs.me, QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline, self.poll_interval_s))
@@ -374,7 +370,12 @@ def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, 
 
     from diloco_serverless.store import ObjectStore
 
-    store = url if isinstance(url, ObjectStore) else ObjectStore(url, storage_options)
+    options = dict(storage_options or {})
+    if isinstance(url, str) and url.startswith("s3://"):
+        # Exchange objects are fetched concurrently already; s3fs's intra-object concurrency
+        # would add a HEAD (size probe) before every GET. Callers may still override it.
+        options.setdefault("max_concurrency", 1)
+    store = url if isinstance(url, ObjectStore) else ObjectStore(url, options or None)
     if store.retry.timeout_s > timeout_s:
         store = store.with_retry(replace(store.retry, timeout_s=timeout_s))
     return store

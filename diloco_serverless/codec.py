@@ -88,14 +88,14 @@ def encode_values(values: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
 
 def _int8_encode(values: torch.Tensor) -> dict[str, torch.Tensor]:
     n = values.numel()
-    if not bool(torch.isfinite(values).all()):
-        raise ValueError("int8 codec got inf/NaN values; they cannot be quantised — check the replica's loss")
     pad = (-n) % INT8_BLOCK
-    blocks = torch.nn.functional.pad(values, (0, pad)).view(-1, INT8_BLOCK)
-    scales = blocks.abs().amax(dim=1) / 127.0
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return {"q": q.reshape(-1)[:n].contiguous(), "scales": scales.contiguous()}
+    blocks = (torch.nn.functional.pad(values, (0, pad)) if pad else values).view(-1, INT8_BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    if not bool(torch.isfinite(absmax).all()):  # amax propagates NaN and inf
+        raise ValueError("int8 codec got inf/NaN values; they cannot be quantised — check the replica's loss")
+    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    q = torch.mul(blocks, inv[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return {"q": q.reshape(-1)[:n].contiguous(), "scales": absmax / 127.0}
 
 
 def decode_values(tensors: Mapping[str, torch.Tensor], codec: str, numel: int) -> torch.Tensor:

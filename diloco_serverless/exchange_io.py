@@ -14,6 +14,7 @@ import json
 import re
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -95,6 +96,7 @@ class CountingStore:
         self._lock = threading.Lock()
         self.bytes_up = 0
         self.bytes_down = 0
+        self._pool: ThreadPoolExecutor | None = None
 
     def reset(self) -> None:
         with self._lock:
@@ -120,11 +122,44 @@ class CountingStore:
         return data
 
     def get_many(self, keys: Sequence[str], *, missing_ok: bool = False) -> dict[str, bytes]:
-        if not keys:
-            return {}
-        out = self.store.get_many(list(keys), missing_ok=missing_ok)
+        """Concurrent single GETs (one request per key: no existence probe before each GET).
+
+        Missing keys are omitted if ``missing_ok``, else the store's ``ObjectNotFound`` propagates.
+        """
+        from diloco_serverless.store import ObjectNotFound
+
+        def one(key: str) -> bytes | None:
+            try:
+                return self.store.get(key)
+            except ObjectNotFound:
+                if missing_ok:
+                    return None
+                raise
+
+        keys = list(dict.fromkeys(keys))
+        if len(keys) <= 1:
+            values = [one(k) for k in keys]
+        else:
+            values = list(self._executor().map(one, keys))
+        out = {k: v for k, v in zip(keys, values) if v is not None}
         self._add(down=sum(len(v) for v in out.values()))
         return out
+
+    def get_or_none(self, key: str) -> bytes | None:
+        """One GET; ``None`` if the object does not exist."""
+        return self.get_many([key], missing_ok=True).get(key)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="exchange-get")
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def get_json(self, key: str) -> Any:
         return json.loads(self.get(key).decode("utf-8"))

@@ -97,7 +97,7 @@ class Quorum:
 def read_quorum(io: CountingStore, *, run_id: str, round: int) -> Quorum | None:
     """The round's quorum, or ``None`` when no replica has written it yet."""
     key = quorum_key(round)
-    data = io.get_many([key], missing_ok=True).get(key)
+    data = io.get_or_none(key)
     return None if data is None else Quorum.parse(data, key=key, run_id=run_id, round=round)
 
 
@@ -159,21 +159,30 @@ def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
 def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait) -> Quorum:
     """Poll ``ready/`` until a quorum exists, writing it ourselves when we are entitled to.
 
+    Entitled = all N ready, or our straggler deadline passed with ``min_replicas`` ready. The
+    lowest ready rank writes at once (one replica reads the N markers, not N replicas); any other
+    entitled replica writes after a short grace, so a writer that died costs only that grace.
     Raises ``TimeoutError`` naming the ranks that never arrived when ``p.deadline`` passes with
     fewer than ``min_replicas`` ready, and :class:`RoundPrunedError` if the run moved on.
     """
     started = time.monotonic()
-    sleep_s, last_skip_check = min(0.005, p.poll_interval_s), started - 1.0
+    grace_s = max(4 * p.poll_interval_s, 0.5)
+    sleep_s, last_skip_check, last_read = min(0.005, p.poll_interval_s), started - 1.0, started
+    entitled_since: float | None = None
     seen: set[int] = set()
     while True:
-        q = read_quorum(io, run_id=me.run_id, round=me.round)
-        if q is not None:
-            return q
         ready = {r for r in ranks_in(io.list(ready_prefix(me.round))) if 0 <= r < p.world_size}
         now = time.monotonic()
-        if len(ready) >= p.world_size or (now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas):
-            _try_create(io, me, ready)
-            continue
+        entitled = len(ready) >= p.world_size or (now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas)
+        if entitled:
+            entitled_since = now if entitled_since is None else entitled_since
+            if me.rank == min(ready) or now - entitled_since >= grace_s:
+                _try_create(io, me, ready)
+        if entitled or now - last_read >= max(p.poll_interval_s, 0.5):  # others may have formed it without us
+            last_read = now
+            q = read_quorum(io, run_id=me.run_id, round=me.round)
+            if q is not None:
+                return q
         if now >= p.deadline:
             missing = sorted(set(range(p.world_size)) - ready)
             raise TimeoutError(

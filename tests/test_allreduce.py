@@ -210,6 +210,21 @@ def test_dead_owner_shard_is_taken_over(url: str) -> None:
     assert any(1 in s.takeovers for s in stats.values())
 
 
+def test_quorum_writer_and_owner_dead_after_ready(url: str) -> None:
+    """Rank 0 (the preferred quorum writer and owner of shard 0) dies right after its ready marker."""
+    xs = {r: randn(3000, r) for r in range(3)}
+
+    def make(u: str, r: int, w: int, **kw: Any) -> ObjectStoreAllReduce:
+        return (_DiesAfterReady if r == 0 else ObjectStoreAllReduce)(u, r, w, **kw)
+
+    outs, errors, stats = run_replicas(url, xs, 3, make=make)
+    assert set(errors) == {0}
+    del outs[0]
+    assert_identical(outs)
+    torch.testing.assert_close(outs[1][0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
+    assert stats[1].participants == [0, 1, 2] and any(0 in s.takeovers for s in stats.values())
+
+
 def test_corrupt_contribution_is_refused(url: str) -> None:
     xs = {r: randn(2000, r) for r in range(2)}
     _, errors, _ = run_replicas(url, {1: xs[1]}, 2, make=lambda u, r, w, **kw: _DiesAfterReady(u, r, w, **kw))

@@ -1,0 +1,356 @@
+"""Bytes and wall time of ObjectStoreAllReduce vs the naive exchange, over file:// and moto S3.
+
+Run (from the repo root, venv active):
+
+    python benchmarks/allreduce.py --quick      # subset: P=16 MB, fp32 + int8, N in {4, 8}  (~2-4 min)
+    python benchmarks/allreduce.py              # full: N in {2,4,8}, P in {16,64} MB (+256 MB on file://),
+                                                #       codecs fp32/bf16/int8, both back ends
+
+Prints a table and writes benchmarks/results/allreduce.json.
+
+Every replica is a separate OS process (forked from a forkserver that imported torch once), so
+replicas really run concurrently and are counted separately; on a 2-core machine N=8 processes
+time-share the CPUs, so wall times include that contention for both methods alike. Bytes are
+counted BY THE BENCHMARK, never by the code under test:
+
+* file://  — each replica process's ``rchar``/``wchar`` from ``/proc/self/io`` around the round
+  (bytes passed to read(2)/write(2): object bodies plus tiny JSON markers; listings are not reads);
+* s3://    — a WSGI middleware in front of moto's server counts HTTP request bodies (up) and
+  response bodies (down) per replica, identified by a per-replica ``User-Agent`` suffix; this
+  includes LIST/HEAD/404 responses, i.e. every byte of HTTP payload.
+
+Lower bound for averaging P bytes over N replicas with whole-object PUT/GET: P up + 2P(N-1)/N down,
+with P the payload size under the codec (fp32: 4 bytes/element; bf16: 2; int8: 1 + 4/256 for the
+block scales). The naive baseline is the seed's design: each replica PUTs its whole encoded tensor
+and GETs the other N-1 (concurrently, with the exchange's own fetcher; in batches of at most
+512 MB to bound memory), then averages
+in rank order — (N-1)P down per replica. Both methods use the same ObjectStore, codec and objects
+format, start from a shared barrier, and are timed until the replica has the mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MB = 1 << 20
+INT8_BYTES_PER_ELEM = 1 + 4 / 256
+CODEC_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": INT8_BYTES_PER_ELEM}
+RESULTS = Path(__file__).with_name("results") / "allreduce.json"
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str
+    n: int
+    p_mb: int
+    codec: str
+    method: str  # "sharded" | "naive"
+
+
+# --------------------------------------------------------------------------- byte counting
+
+
+class CountingWSGI:
+    """WSGI middleware counting request/response body bytes per ``bench-rank-<r>`` user agent."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.lock = threading.Lock()
+        self.counts: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # up, down, requests
+
+    def reset(self) -> None:
+        with self.lock:
+            self.counts.clear()
+
+    def snapshot(self) -> dict[int, list[int]]:
+        with self.lock:
+            return {k: list(v) for k, v in self.counts.items()}
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        m = re.search(r"bench-rank-(\d+)", environ.get("HTTP_USER_AGENT", ""))
+        who = int(m.group(1)) if m else -1
+        up = int(environ.get("CONTENT_LENGTH") or 0)
+        with self.lock:
+            c = self.counts[who]
+            c[0] += up
+            c[2] += 1
+        return self._count_body(who, self.app(environ, start_response))
+
+    def _count_body(self, who: int, body: Any) -> Any:
+        try:
+            for chunk in body:
+                with self.lock:
+                    self.counts[who][1] += len(chunk)
+                yield chunk
+        finally:
+            if hasattr(body, "close"):
+                body.close()
+
+
+def start_moto() -> tuple[str, CountingWSGI, Any]:
+    """moto's S3 server on 127.0.0.1 behind :class:`CountingWSGI`; returns (endpoint, counter, server)."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from moto.s3.responses import S3Response
+    from werkzeug.serving import make_server
+
+    original, lock = S3Response.put_object, threading.Lock()
+
+    def put_object(self: Any) -> Any:  # real S3 evaluates If-None-Match atomically; moto needs a lock
+        with lock:
+            return original(self)
+
+    S3Response.put_object = put_object  # type: ignore[method-assign]
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    counter = CountingWSGI(DomainDispatcherApplication(create_backend_app))
+    server = make_server("127.0.0.1", 0, counter, threaded=True, request_handler=MotoRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", counter, server
+
+
+def proc_io() -> tuple[int, int]:
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["rchar"]), int(fields["wchar"])
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+def naive_allreduce(store: Any, rank: int, n: int, prefix: str, x: torch.Tensor, codec: str) -> torch.Tensor:
+    """The seed's exchange: PUT the whole tensor, GET all N, average in rank order (fp32)."""
+    from diloco_serverless.codec import decode_values, encode_values, pack, unpack
+    from diloco_serverless.exchange_io import CountingStore
+
+    fetch = CountingStore(store)  # same concurrent single-GET fetcher as the sharded exchange
+
+    enc = encode_values(x, codec)
+    store.put(f"{prefix}/rank-{rank}", pack(enc, {"rank": rank}))
+    keys = [f"{prefix}/rank-{r}" for r in range(n)]
+    sleep_s = 0.005
+    while len(set(store.list(prefix)) & set(keys)) < n:
+        time.sleep(sleep_s)
+        sleep_s = min(sleep_s * 1.5, 0.5)
+    per_batch = max(1, (512 * MB) // max(1, int(x.numel() * CODEC_BYTES[codec])))
+    others = [r for r in range(n) if r != rank]
+    decoded: dict[int, torch.Tensor] = {rank: decode_values(enc, codec, x.numel())}
+    acc = torch.zeros(x.numel(), dtype=torch.float32)
+    nxt = 0
+    for i in range(0, len(others), per_batch):
+        blobs = fetch.get_many([keys[r] for r in others[i : i + per_batch]])
+        for r in others[i : i + per_batch]:
+            decoded[r] = decode_values(unpack(blobs.pop(keys[r]), key=keys[r])[0], codec, x.numel())
+        while nxt in decoded:  # rank order, releasing memory as we go
+            acc += decoded.pop(nxt)
+            nxt += 1
+    fetch.close()
+    return acc / n
+
+
+def replica_main(rank: int, n: int, url: str, options: dict[str, Any], cases: list[Case], barrier: Any, queue: Any) -> None:
+    """One replica process: runs every case in lockstep with the others (barriers)."""
+    from diloco_serverless.allreduce import ObjectStoreAllReduce
+    from diloco_serverless.store import ObjectStore
+
+    torch.set_num_threads(1)
+    opts = {**options, "config_kwargs": {"user_agent_extra": f"bench-rank-{rank}"}} if url.startswith("s3") else dict(options)
+    if url.startswith("s3"):
+        opts["max_concurrency"] = 1  # as ObjectStoreAllReduce does for its own store: no HEAD before each GET
+    store = ObjectStore(url, opts or None)
+    for i, case in enumerate(cases):
+        x = torch.randn(case.p_mb * MB // 4, generator=torch.Generator().manual_seed(1000 * case.p_mb + rank))
+        ar = ObjectStoreAllReduce(store, rank, n, run_id=f"bench-{i}", codec=case.codec, keep_rounds=None,
+                                  timeout_s=900.0, straggler_timeout_s=600.0, takeover_timeout_s=600.0, poll_interval_s=0.2)
+        barrier.wait()  # parent resets counters
+        barrier.wait()  # go
+        io0, t0 = proc_io(), time.perf_counter()
+        if case.method == "sharded":
+            y = ar.allreduce(x)
+        else:
+            y = naive_allreduce(store, rank, n, f"bench-{i}/naive", x, case.codec)
+        dt = time.perf_counter() - t0
+        io1 = proc_io()
+        stats = asdict(ar.last_stats) if (case.method == "sharded" and ar.last_stats) else {}
+        digest = hashlib.sha256(y.numpy().tobytes()).hexdigest()[:16]
+        queue.put({"case": i, "rank": rank, "wall_s": dt, "rchar": io1[0] - io0[0], "wchar": io1[1] - io0[1],
+                   "code_bytes_up": stats.get("bytes_up"), "code_bytes_down": stats.get("bytes_down"), "digest": digest})
+        del x, y
+        barrier.wait()  # done; parent collects and cleans up
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_group(backend: str, n: int, cases: list[Case], url: str, options: dict[str, Any], counter: CountingWSGI | None,
+              cleanup: Any) -> list[dict[str, Any]]:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "s3fs", "diloco_serverless.allreduce", "diloco_serverless.store"])
+    barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
+    procs = [ctx.Process(target=replica_main, args=(r, n, url, options, cases, barrier, queue)) for r in range(n)]
+    for p in procs:
+        p.start()
+    rows = []
+    try:
+        for i, case in enumerate(cases):
+            barrier.wait(timeout=1800)
+            if counter is not None:
+                counter.reset()
+            barrier.wait(timeout=60)
+            per_rank = [queue.get(timeout=1800) for _ in range(n)]
+            server = counter.snapshot() if counter is not None else {}
+            barrier.wait(timeout=60)
+            rows.append(summarise(case, per_rank, server))
+            print_row(rows[-1], flush=True)
+            cleanup(f"bench-{i}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.exitcode is None:
+                p.kill()
+    return rows
+
+
+def summarise(case: Case, per_rank: list[dict[str, Any]], server: dict[int, list[int]]) -> dict[str, Any]:
+    if case.backend == "s3":
+        ups = [server.get(d["rank"], [0, 0, 0])[0] for d in per_rank]
+        downs = [server.get(d["rank"], [0, 0, 0])[1] for d in per_rank]
+        requests = [server.get(d["rank"], [0, 0, 0])[2] for d in per_rank]
+    else:
+        ups, downs, requests = [d["wchar"] for d in per_rank], [d["rchar"] for d in per_rank], []
+    payload = case.p_mb * MB / 4 * CODEC_BYTES[case.codec]
+    lower = payload + 2 * payload * (case.n - 1) / case.n
+    up, down = max(ups), max(downs)
+    return {
+        **asdict(case),
+        "up_mb": up / MB, "down_mb": down / MB, "total_mb": (up + down) / MB, "lower_bound_mb": lower / MB,
+        "ratio": (up + down) / lower, "wall_s": max(d["wall_s"] for d in per_rank),
+        "requests_per_replica": max(requests) if requests else None,
+        "identical_across_ranks": len({d["digest"] for d in per_rank}) == 1,
+        "digest": per_rank[0]["digest"],
+        "code_counted_up_mb": (per_rank[0]["code_bytes_up"] or 0) / MB, "code_counted_down_mb": (per_rank[0]["code_bytes_down"] or 0) / MB,
+    }
+
+
+HEADER = f"{'backend':7} {'N':>2} {'P MB':>5} {'codec':5} {'method':7} {'up MB':>8} {'down MB':>8} {'LB MB':>8} {'ratio':>6} {'wall s':>7} {'same':>4}"
+
+
+def print_row(r: dict[str, Any], flush: bool = False) -> None:
+    print(f"{r['backend']:7} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} {r['method']:7} {r['up_mb']:>8.1f} {r['down_mb']:>8.1f} "
+          f"{r['lower_bound_mb']:>8.1f} {r['ratio']:>6.3f} {r['wall_s']:>7.2f} {'yes' if r['identical_across_ranks'] else 'NO':>4}", flush=flush)
+
+
+def plan(quick: bool, backends: list[str]) -> list[Case]:
+    cases = []
+    for backend in backends:
+        ns = [4, 8] if quick else [2, 4, 8]
+        sizes = [16] if quick else ([16, 64, 256] if backend == "file" else [16, 64])
+        codecs = ["fp32", "int8"] if quick else ["fp32", "bf16", "int8"]
+        for n in ns:
+            for p in sizes:
+                for c in codecs:
+                    for m in ("sharded", "naive"):
+                        cases.append(Case(backend, n, p, c, m))
+    return cases
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Targets of issue 2, evaluated on the measured rows."""
+    out: dict[str, Any] = {"ratio_n4_max": None, "ratio_n8_max": None, "int8_over_fp32_max": None, "speedup_s3_n8_min": None}
+    sh = [r for r in rows if r["method"] == "sharded"]
+    for n in (4, 8):
+        vals = [r["ratio"] for r in sh if r["n"] == n]
+        out[f"ratio_n{n}_max"] = max(vals) if vals else None
+    key = lambda r: (r["backend"], r["n"], r["p_mb"], r["method"])  # noqa: E731
+    fp32 = {key(r): r["total_mb"] for r in sh if r["codec"] == "fp32"}
+    int8 = [r["total_mb"] / fp32[key(r)] for r in sh if r["codec"] == "int8" and key(r) in fp32]
+    out["int8_over_fp32_max"] = max(int8) if int8 else None
+    naive = {(r["backend"], r["n"], r["p_mb"], r["codec"]): r["wall_s"] for r in rows if r["method"] == "naive"}
+    speed = [naive[(r["backend"], r["n"], r["p_mb"], r["codec"])] / r["wall_s"] for r in sh
+             if r["backend"] == "s3" and r["n"] == 8 and (r["backend"], r["n"], r["p_mb"], r["codec"]) in naive]
+    out["speedup_s3_n8_min"] = min(speed) if speed else None
+    out["speedups_s3_n8"] = speed
+    out["fp32_sharded_equals_naive"] = all(
+        r["digest"] == n["digest"] for r in sh if r["codec"] == "fp32"
+        for n in rows if n["method"] == "naive" and (n["backend"], n["n"], n["p_mb"], n["codec"]) == (r["backend"], r["n"], r["p_mb"], "fp32"))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="subset: P=16 MB, fp32+int8, N in {4,8}")
+    ap.add_argument("--backends", default="file,s3", help="comma-separated subset of file,s3")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
+    cases = plan(args.quick, backends)
+    rows: list[dict[str, Any]] = []
+    print(HEADER, flush=True)
+    for backend in backends:
+        if backend == "file":
+            root = tempfile.mkdtemp(prefix="diloco-bench-")
+            url, options, counter = Path(root).as_uri(), {}, None
+            cleanup = lambda run: shutil.rmtree(os.path.join(root, run), ignore_errors=True)  # noqa: E731
+        else:
+            import boto3
+
+            endpoint, counter, server = start_moto()
+            os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+            s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+            s3.create_bucket(Bucket="bench")
+            url = "s3://bench"
+            options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
+            cleanup = lambda run: _s3_delete_prefix(s3, "bench", run + "/")  # noqa: E731
+        for n in sorted({c.n for c in cases if c.backend == backend}):
+            rows += run_group(backend, n, [c for c in cases if c.backend == backend and c.n == n], url, options, counter, cleanup)
+    result = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
+                          "platform": platform.platform()},
+              "quick": args.quick, "replicas": "processes (forkserver), one per replica", "rows": rows, "summary": summary(rows),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print_table(rows, result["summary"])
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _s3_delete_prefix(s3: Any, bucket: str, prefix: str) -> None:
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objs:
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": objs})
+
+
+def print_table(rows: list[dict[str, Any]], summ: dict[str, Any]) -> None:
+    print("\nsharded vs naive (bytes per replica, max over replicas; wall = slowest replica)")
+    print(f"{'backend':7} {'N':>2} {'P MB':>5} {'codec':5} | {'up MB':>7} {'down MB':>7} {'LB MB':>7} {'ratio':>6} {'wall s':>7} | "
+          f"{'naive up':>8} {'naive dn':>8} {'ratio':>6} {'wall s':>7} | {'speedup':>7} {'same':>4}")
+    naive = {(r["backend"], r["n"], r["p_mb"], r["codec"]): r for r in rows if r["method"] == "naive"}
+    for r in rows:
+        if r["method"] != "sharded":
+            continue
+        nv = naive.get((r["backend"], r["n"], r["p_mb"], r["codec"]))
+        nvs = (f"{nv['up_mb']:>8.1f} {nv['down_mb']:>8.1f} {nv['ratio']:>6.2f} {nv['wall_s']:>7.2f} | {nv['wall_s'] / r['wall_s']:>6.2f}x"
+               if nv else f"{'-':>8} {'-':>8} {'-':>6} {'-':>7} | {'-':>7}")
+        print(f"{r['backend']:7} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} | {r['up_mb']:>7.1f} {r['down_mb']:>7.1f} {r['lower_bound_mb']:>7.1f} "
+              f"{r['ratio']:>6.3f} {r['wall_s']:>7.2f} | {nvs} {'yes' if r['identical_across_ranks'] else 'NO':>4}")
+    print("\ntargets:", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in summ.items() if k != "speedups_s3_n8"}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
