@@ -27,6 +27,15 @@ from diloco_serverless.loss import compose_loss, sequence_logprobs
 from diloco_serverless.model import build_model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Any:
+    """Tiny matrices: one intra-op thread is faster and immune to a busy 2-core CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny() -> tuple[Any, Any]:
     return build_model(RunConfig().model, seed=0)
@@ -103,7 +112,7 @@ def test_stdlib_batch_has_all_three_channels(tiny: tuple[Any, Any]) -> None:
 
 
 def test_compose_loss_runs_every_channel_on_a_batch(tiny: tuple[Any, Any]) -> None:
-    cfg = _cfg()
+    cfg = _cfg("data.batch_size=2")
     model, _ = build_model(cfg.model, seed=0)
     batch = BatchBuilder.from_config(cfg, tiny[1], rank=0, ref_model=make_reference_model(model)).next_batch()
     out = compose_loss(model, batch, **cfg.loss.compose_kwargs())
