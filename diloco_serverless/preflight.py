@@ -92,7 +92,7 @@ def _terraform_store(path: str | Path) -> str:
 
 def parse_options(items: Sequence[str]) -> dict[str, Any]:
     """``["retries=3", "local_source=true"]`` -> ``{"retries": 3, "local_source": True}`` (TOML values,
-    falling back to plain strings, as ``--set`` does)."""
+    falling back to plain strings, as ``--set`` does; ``none`` means Python None, e.g. ``install=none``)."""
     from diloco_serverless.config import tomllib
 
     out: dict[str, Any] = {}
@@ -100,6 +100,9 @@ def parse_options(items: Sequence[str]) -> dict[str, Any]:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise LaunchError(f"--executor-opt {item!r} must look like KEY=VALUE, e.g. -x local_source=true")
+        if text.strip().lower() == "none":
+            out[key.strip()] = None
+            continue
         try:
             out[key.strip()] = tomllib.loads(f"v = {text.strip()}")["v"]
         except tomllib.TOMLDecodeError:

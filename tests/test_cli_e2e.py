@@ -159,3 +159,30 @@ def test_detach_then_cancel_from_another_process(tmp_path: Path) -> None:
     assert all(_pid_gone(int(h["pid"])) for h in handles)
     status = runner.invoke(app, ["status", str(run)])
     assert "state cancelled" in status.stdout
+
+
+def test_hf_jobs_through_the_cli(s3_store_url: str, s3_env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`diloco launch --executor hf-jobs` with the real huggingface_hub client against a fake Jobs
+    server on 127.0.0.1 (tests/fake_hf_jobs_server.py) whose Jobs are local replicas training over
+    moto S3; then status and logs rebuild the executor from run.json's handles."""
+    pytest.importorskip("huggingface_hub")
+    from fake_hf_jobs_server import FakeHFJobsServer
+
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    with FakeHFJobsServer() as hub:
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        launched = runner.invoke(app, [
+            "launch", "--executor", "hf-jobs", "--flavor", "cpu-basic", "--store", s3_store_url, "--run-id", "hf1",
+            "--set", "rounds=2", "--retries", "0", "-x", f"endpoint={hub.url}", "-x", "install=none",
+            "-x", "image=python:3.11", "-x", "poll_interval_s=0.5", *TINY])
+        assert launched.exit_code == 0, launched.output
+        assert "run hf1 succeeded" in launched.stdout and "rounds          : 2/2" in launched.stdout
+        assert f"model           : {s3_store_url}/hf1/final" in launched.stdout
+        url = f"{s3_store_url}/hf1"
+        status = runner.invoke(app, ["status", url])
+        rows = [line for line in status.stdout.splitlines() if line.startswith("│")]
+        assert len(rows) == 2 and all("succeeded" in r for r in rows), status.output
+        assert "on hf-jobs (cpu-basic)" in status.stdout
+        logs = runner.invoke(app, ["logs", url, "--rank", "1", "--tail", "5"])
+        assert logs.exit_code == 0 and "done: 2 rounds" in logs.stdout
