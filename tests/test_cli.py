@@ -300,3 +300,28 @@ def test_run_defaults_to_latest_under_runs_and_accepts_a_bare_id(workdir: Path, 
     assert latest.exit_code == 0 and "run r2" in latest.stdout
     by_id = runner.invoke(app, ["logs", "r1", "--rank", "0", "--tail", "1"])
     assert by_id.exit_code == 0 and by_id.stdout == "rank 0 line 19\n"
+
+
+def test_modal_flags_reach_the_executor(workdir: Path, s3_store_url: str, s3_env: dict,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--gpu, --secret, --retries and -x become ModalExecutor keyword arguments; the price is recorded."""
+    import diloco_serverless.executors as executors
+
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    seen: dict = {}
+    ex = FakeExecutor(kind="modal")
+
+    def get_executor(kind: str, **options: object) -> FakeExecutor:
+        seen.update(kind=kind, **options)
+        return ex
+
+    monkeypatch.setattr(executors, "get_executor", get_executor)
+    result = runner.invoke(app, ["launch", "--executor", "modal", "--gpu", "h100:2", "--secret", "diloco-s3",
+                                 "--retries", "5", "-x", "timeout_s=600", "--store", s3_store_url,
+                                 "--run-id", "m1", "--poll-interval", "0.1"])
+    assert result.exit_code == 0, result.output
+    assert seen == {"kind": "modal", "gpu": "H100:2", "secrets": ["diloco-s3"], "retries": 5, "timeout_s": 600}
+    status = runner.invoke(app, ["status", f"{s3_store_url}/m1"])
+    assert "on modal (H100:2)" in status.stdout  # recorded gpu; the price is 2 x H100
+    assert ex.launched[0]["env"] == {"DILOCO_RUN_URL": f"{s3_store_url}/m1"}  # no OMP_NUM_THREADS off-machine
