@@ -25,7 +25,7 @@ import secrets as _secrets
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -313,7 +313,7 @@ class RunConfig(_Section):
         """Load ``path`` (TOML; None = defaults) and apply dotted ``key=value`` overrides.
 
         Values are parsed as TOML literals (``3e-4``, ``true``, ``[0.9, 0.95]``, ``"x"``) and fall back
-        to a plain string. Unknown keys raise ConfigError listing close matches; invalid values raise
+        to a plain string; ``none`` / ``null`` unset an optional field (``min_replicas=none``). Unknown keys raise ConfigError listing close matches; invalid values raise
         ConfigError naming the field and what it accepts.
         """
         raw: dict[str, Any] = _read_toml(Path(path)) if path is not None else {}
@@ -423,7 +423,8 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any, root: type[BaseModel]
         if i == len(parts) - 1:
             if is_section:
                 raise ConfigError(f"--set {key}=... targets a whole section; set one of its fields, e.g. {key}.<field>")
-            node[part] = value
+            optional = type(None) in get_args(ann)
+            node[part] = None if optional and isinstance(value, str) and value.lower() in ("none", "null") else value
             return
         if not is_section:
             raise _unknown_key_error(key, "--set")

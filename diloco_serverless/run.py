@@ -31,6 +31,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from diloco_serverless.config import ConfigError, RunConfig, find_secret
@@ -276,11 +277,12 @@ def create_run(
     """Create ``<store>/<config.run_id>/run.json`` create-only; returns (run store, record).
 
     ``store`` is the store root (ObjectStore or URL; None = ``config.store``). The recorded config's
-    ``store`` is the normalised store URL so replicas on other machines read an absolute location.
+    ``store`` is the normalised store URL, and a relative local ``data.source`` is made absolute, so
+    replicas started elsewhere read the same locations.
     Raises RunExists if the run id is taken.
     """
     root = store if isinstance(store, ObjectStore) else ObjectStore(store or config.store, storage_options)
-    config = config.model_copy(update={"store": root.url})
+    config = config.model_copy(update={"store": root.url, "data": _absolute_data_source(config)})
     run_store = root.child(config.run_id)
     record = RunRecord(config.run_id, _utc_now_iso(), RUN_VERSION, config, None, run_store.url)
     if not run_store.put_if_absent(RUN_JSON, _dumps(record.to_json_dict())):
@@ -289,6 +291,14 @@ def create_run(
             f"or attach to it with `diloco status {run_store.url}`"
         )
     return run_store, record
+
+
+def _absolute_data_source(config: RunConfig) -> Any:
+    """``data`` with a relative local JSONL path made absolute (local replicas may run elsewhere)."""
+    source = config.data.source
+    if source == "stdlib" or "://" in source or not Path(source).exists():
+        return config.data
+    return config.data.model_copy(update={"source": str(Path(source).resolve())})
 
 
 def _read_record(run_store: ObjectStore) -> RunRecord:

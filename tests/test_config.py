@@ -146,3 +146,9 @@ def test_docs_list_every_field() -> None:
     doc = (ROOT / "docs" / "config.md").read_text()
     missing = [p for p in RunConfig.field_paths() if f"`{p}`" not in doc]
     assert not missing, f"docs/config.md lacks {missing}"
+
+
+def test_none_unsets_optional_fields() -> None:
+    cfg = RunConfig.load(None, ["min_replicas=2", "min_replicas=none", "exchange.keep_rounds=null"])
+    assert cfg.min_replicas is None and cfg.exchange.keep_rounds is None
+    assert RunConfig.load(None, ["model.name=none"]).model.name == "none"  # not optional: stays a string

@@ -171,3 +171,14 @@ def test_list_runs(memory_store_url: str) -> None:
     assert sorted(r.run_id for r in runs) == ["run-a", "run-b"]
     assert all(r.url == join_run_url(root.url, r.run_id) for r in runs)
     assert list_runs(f"{memory_store_url}/empty") == []
+
+
+def test_create_makes_a_relative_jsonl_source_absolute(
+    tmp_path: Path, memory_store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "train.jsonl").write_text('{"prompt": "p", "response": "r"}\n')
+    monkeypatch.chdir(tmp_path)
+    _, record = create_run(memory_store_url, _cfg(data={"source": "train.jsonl"}))
+    assert record.config.data.source == str(tmp_path / "train.jsonl")
+    _, remote = create_run(memory_store_url, _cfg("run-s3", data={"source": "s3://b/train.jsonl"}))
+    assert remote.config.data.source == "s3://b/train.jsonl"
