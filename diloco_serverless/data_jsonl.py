@@ -18,6 +18,7 @@ non-empty string ``prompt`` / ``response``, has a non-string optional field, or 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ class JsonlSource:
             raise DataError(f"JSONL data {data.source} has 1 record; need at least 2 to hold one out for eval")
         self._eos = tokenizer.eos_token_id
         self._perm: tuple[int, list[int]] = (-1, [])
+        # records are revisited every epoch: memoise their tokenization (keys are the strings)
+        self._prompt_response = functools.lru_cache(maxsize=8192)(self._tokenize_pair)
 
     # -------------------------------------------------------------- order
     def train_example(self, index: int) -> Example:
@@ -146,7 +149,7 @@ class JsonlSource:
             out = out["input_ids"]
         return list(out)
 
-    def _prompt_response(self, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    def _tokenize_pair(self, prompt: str, response: str) -> tuple[list[int], list[int]]:
         """(prompt ids, response ids) with the chat template when the tokenizer has one."""
         if getattr(self.tokenizer, "chat_template", None):
             user = [{"role": "user", "content": prompt}]
@@ -178,4 +181,5 @@ class JsonlSource:
             teacher = prompt
         chosen = self._prompt_response(rec.prompt, rec.chosen)[1] if rec.chosen is not None else []
         rejected = self._prompt_response(rec.prompt, self._rejected_text(rec, rng))[1]
-        return Example(prompt, response, teacher, rejected, chosen, rec.where)
+        # copies: the cached lists must never be mutated by a consumer
+        return Example(list(prompt), list(response), list(teacher), list(rejected), list(chosen), rec.where)
