@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -224,14 +224,17 @@ class Run:
         TimeoutError (the run keeps going) after ``timeout_s``.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        price = self.usd_per_replica_hour or 0.0
+        price = self.usd_per_replica_hour
+        if max_usd is not None and price is None:
+            raise LaunchError(f"cannot enforce max_usd for run {self.run_id}: no price known for "
+                              f"{self.executor_kind} GPU {self.gpu!r}; add it to diloco_serverless/pricing.py")
         while True:
             status = self.status()
             if on_update is not None:
                 on_update(status)
             if status.done:
                 return self._finish(status)
-            if max_usd is not None and _over_budget(status, price, poll_interval_s, max_usd):
+            if max_usd is not None and _over_budget(status, price or 0.0, poll_interval_s, max_usd):
                 self.cancel()
                 raise BudgetExceeded(
                     f"cancelled run {self.run_id}: estimated spend {status.est_usd or 0:.2f} USD would "
@@ -275,7 +278,7 @@ def _outer(heartbeat: dict[str, Any], fragments: int, train_curve: list[tuple[fl
 
 
 def _over_budget(status: RunStatus, usd_per_hour: float, horizon_s: float, max_usd: float) -> bool:
-    live = sum(not r.state in ("succeeded", "failed", "cancelled") for r in status.replicas)
+    live = sum(r.state not in TERMINAL for r in status.replicas)
     return pricing.would_exceed(status.est_usd or 0.0, usd_per_hour, live, horizon_s * 2, max_usd)
 
 

@@ -157,6 +157,7 @@ def launch(
     from diloco_serverless.api import RunFailed
     from diloco_serverless.api import launch as api_launch
     from diloco_serverless.preflight import LaunchError, parse_options
+    from diloco_serverless.pricing import PRICE_TABLES, usd_per_replica_hour
 
     out = _out()
     with _errors():
@@ -164,6 +165,9 @@ def launch(
             raise LaunchError(f"--max-usd must be positive (got {max_usd})")
         if max_usd is not None and detach:
             raise LaunchError("--max-usd needs the launcher attached to enforce it; drop --detach")
+        if max_usd is not None and executor in PRICE_TABLES and usd_per_replica_hour(executor, gpu) is None:
+            raise LaunchError(f"--max-usd needs a price for {executor} GPU {gpu!r}, which the price table lacks; "
+                              "drop --max-usd or pick a listed GPU")
         options: dict[str, Any] = parse_options(executor_opt)
         if secret:
             options["secrets"] = list(secret)

@@ -80,6 +80,17 @@ def test_launch_bad_input_is_one_line_and_creates_nothing(workdir: Path, fake: F
     assert fake.launched == []
 
 
+def test_max_usd_needs_a_known_price(workdir: Path, fake: FakeExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    from diloco_serverless import pricing
+
+    monkeypatch.delitem(pricing.MODAL_USD_PER_HOUR, "T4")  # a GPU the executor knows but the table does not
+    result = runner.invoke(app, ["launch", "--executor", "modal", "--gpu", "T4", "--store", "s3://b/p",
+                                 "--max-usd", "5"])
+    assert result.exit_code == 2
+    assert "--max-usd needs a price for modal GPU 'T4'" in result.stderr
+    assert fake.launched == []
+
+
 def test_unknown_executor_option_lists_the_real_ones(workdir: Path) -> None:
     result = runner.invoke(app, ["launch", "-x", "colour=blue"])
     assert result.exit_code == 2
