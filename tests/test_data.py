@@ -280,3 +280,20 @@ def test_stdlib_with_a_merging_tokenizer_groups_tokens_by_line(tmp_path: Path) -
     ex = src.train_example(0)
     assert ex.response and ex.rejected != ex.response and sorted(ex.rejected) == sorted(ex.response)
     assert tok.decode(ex.teacher_prompt).startswith("# file: m")
+
+
+def test_long_records_are_truncated_consistently(tiny: tuple[Any, Any], tmp_path: Path) -> None:
+    path = tmp_path / "long.jsonl"
+    long = {"prompt": "p" * 300, "response": "line\n" * 100, "hint": "h" * 500}
+    path.write_text("\n".join(json.dumps(long) for _ in range(4)))
+    cfg = _cfg(f'data.source="{path}"', "data.seq_len=64", "data.prompt_len=8", "data.hint_len=16")
+    batch = _builder(tiny, cfg).next_batch()
+    assert batch["input_ids"].shape == (4, 64) and batch["ctx_teacher_input_ids"].shape == (4, 80)
+    assert bool(batch["attention_mask"].all())  # filled to the brim
+    n_resp = batch["response_mask"].sum(1)
+    assert bool((n_resp >= 32).all())  # the response keeps at least half of seq_len
+    assert torch.equal(n_resp, batch["ctx_teacher_response_mask"].sum(1))
+    for row in range(4):
+        s = batch["input_ids"][row][batch["response_mask"][row].bool()]
+        t = batch["ctx_teacher_input_ids"][row][batch["ctx_teacher_response_mask"][row].bool()]
+        assert torch.equal(s, t)
