@@ -336,3 +336,24 @@ def test_modal_flags_reach_the_executor(workdir: Path, s3_store_url: str, s3_env
     status = runner.invoke(app, ["status", f"{s3_store_url}/m1"])
     assert "on modal (H100:2)" in status.stdout  # recorded gpu; the price is 2 x H100
     assert ex.launched[0]["env"] == {"DILOCO_RUN_URL": f"{s3_store_url}/m1"}  # no OMP_NUM_THREADS off-machine
+
+
+def test_store_from_terraform_outputs(workdir: Path, fake: FakeExecutor, s3_store_url: str, s3_env: dict,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    golden = json.loads((Path(__file__).parent / "data" / "terraform_output_aws.json").read_text())
+    # the golden outputs name a bucket that does not exist here: the probe refuses it, nothing launches
+    (workdir / "golden.json").write_text(json.dumps(golden))
+    missing = runner.invoke(app, ["launch", "--store-from-terraform", "golden.json"])
+    assert missing.exit_code == 2 and "cannot use store s3://acme-diloco-exchange/diloco" in missing.stderr
+    (workdir / "empty.json").write_text("{}")
+    empty = runner.invoke(app, ["launch", "--store-from-terraform", "empty.json"])
+    assert empty.exit_code == 2 and "exchange_url" in empty.stderr
+    assert fake.launched == []
+    bucket = s3_store_url.removeprefix("s3://")
+    golden["bucket"]["value"], golden["exchange_url"]["value"] = bucket, f"s3://{bucket}/diloco/"
+    (workdir / "outputs.json").write_text(json.dumps(golden))
+    ok = runner.invoke(app, ["launch", "--store-from-terraform", "outputs.json", "--run-id", "tf1", "--detach"])
+    assert ok.exit_code == 0, ok.output
+    assert f"run URL: s3://{bucket}/diloco/tf1" in ok.stdout
