@@ -36,13 +36,13 @@ from diloco_serverless.executor_glue import (
 from diloco_serverless.plot import curves, plot_losses
 from diloco_serverless.preflight import LaunchError, check_launch, one_line, resolve_config
 from diloco_serverless.run import (
-    FINAL_PREFIX, METRICS_PREFIX, RunRecord, create_run, load_run, log_key, read_members,
-    record_launch,
+    FINAL_PREFIX, METRICS_PREFIX, RunRecord, create_run, load_run, log_key, metrics_prefix,
+    read_members, record_launch,
 )
 from diloco_serverless.status import (
     CANCELLED, FAILED, TERMINAL, RunStatus, billed_seconds, build_replica, run_state,
 )
-from diloco_serverless.store import ObjectStore
+from diloco_serverless.store import ObjectNotFound, ObjectStore
 
 __all__ = ["launch", "Run", "LaunchError", "RunFailed", "BudgetExceeded"]
 
@@ -147,11 +147,25 @@ class Run:
             out.setdefault(int(rec.get("rank", -1)), []).append(rec)
         return out
 
-    def status(self, *, now: float | None = None) -> RunStatus:
-        """Per-replica state (executor poll + heartbeat), totals and estimated spend."""
+    def latest_metrics(self, rank: int = 0) -> dict[str, Any] | None:
+        """Rank ``rank``'s metrics record of its latest round (one LIST and one GET), or None."""
+        keys = sorted(k for k in self._store.list(metrics_prefix(rank) + "/") if k.endswith(".json"))
+        if not keys:
+            return None
+        try:
+            rec = json.loads(self._store.get(keys[-1]).decode("utf-8"))
+        except (ValueError, ObjectNotFound):
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def status(self, *, now: float | None = None, with_metrics: bool = True) -> RunStatus:
+        """Per-replica state (executor poll + heartbeat), totals and estimated spend.
+
+        ``with_metrics=False`` skips reading the per-round metrics (no eval loss; losses from the
+        heartbeats only): a few requests per run, for listing many runs.
+        """
         now = time.time() if now is None else now
-        metrics = self.metrics()
-        train, eval_curve = curves(metrics)
+        train, eval_curve = curves(self.metrics()) if with_metrics else ({}, [])
         members = {r: _outer(hb.to_json_dict(), self.config.exchange.fragments, train.get(r))
                    for r, hb in read_members(self._store).items()}
         states = poll_states(self._executor, self.handles) if self.handles else {}

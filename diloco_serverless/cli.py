@@ -317,8 +317,10 @@ def cancel(run_url: Optional[str] = typer.Argument(None, help=RUN_HELP)) -> None
 
 @app.command("ls")
 def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live under.")) -> None:
-    """List the runs under a store URL: created, executor, replicas, rounds, state, loss."""
+    """List the runs under a store URL: created, executor, replicas, rounds, state, latest loss
+    (rank 0's eval loss when its latest round evaluated, else its training loss)."""
     from diloco_serverless.api import Run
+    from diloco_serverless.plot import eval_loss_of, train_loss_of
     from diloco_serverless.run import list_runs
     from diloco_serverless.store import ObjectStore
 
@@ -327,11 +329,14 @@ def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live
         root = ObjectStore(store_url)
         rows = []
         for record in list_runs(root):
-            st = Run(root.child(record.run_id), record).status()
+            run = Run(root.child(record.run_id), record)
+            st = run.status(with_metrics=False)
+            last = run.latest_metrics(0) or {}
             rows.append({"run_id": record.run_id, "created": record.created_at, "executor": st.executor,
                          "replicas": record.config.replicas,
                          "rounds": f"{'-' if st.round is None else st.round}/{record.config.rounds}",
-                         "state": st.state if record.launch else "created", "loss": st.eval_loss or st.loss})
+                         "state": st.state if record.launch else "created",
+                         "loss": eval_loss_of(last) or train_loss_of(last) or st.loss})
         if not rows:
             out.print(f"no runs under {root.url}", markup=False)
             return
