@@ -85,10 +85,12 @@ class ExchangeWork(dist._Work):
     exactly like ``torchft.Manager``'s managed work, so it never raises.
     """
 
-    def __init__(self, future: _TrackingFuture, record: ExchangeRecord | None) -> None:
+    def __init__(self, future: _TrackingFuture, record: ExchangeRecord | None,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         self._future = future
         self._record = record
+        self._device = device
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         start = time.monotonic()
@@ -100,6 +102,9 @@ class ExchangeWork(dist._Work):
             except Exception:  # noqa: BLE001 - already reported by the exchange thread
                 logger.debug("exchange future completed with an error", exc_info=True)
             pending.extend(getattr(fut, "children", []))
+        if self._device is not None and self._device.type == "cuda":
+            # the result and chained copies were enqueued from the exchange thread's stream
+            torch.cuda.synchronize(self._device)
         if self._record is not None:
             self._record.blocked_s += time.monotonic() - start
         return True
@@ -189,7 +194,7 @@ class _ManagerBase:
         self.history.append(record)
         host = tensor.detach().to("cpu", copy=True)
         self._inflight = self._executor.submit(self._run, tensor, host, record, future, reduce_op, self._replay)
-        return ExchangeWork(future, record)
+        return ExchangeWork(future, record, tensor.device)
 
     def _run(self, tensor: torch.Tensor, host: torch.Tensor, record: ExchangeRecord,
              future: _TrackingFuture, reduce_op: ReduceOp.RedOpType, replay: bool) -> None:
