@@ -186,3 +186,20 @@ def test_hf_jobs_through_the_cli(s3_store_url: str, s3_env: dict, monkeypatch: p
         assert "on hf-jobs (cpu-basic)" in status.stdout
         logs = runner.invoke(app, ["logs", url, "--rank", "1", "--tail", "5"])
         assert logs.exit_code == 0 and "done: 2 rounds" in logs.stdout
+
+
+def test_ctrl_c_during_attached_launch_cancels_the_run(tmp_path: Path) -> None:
+    proc = _diloco("launch", "--run-id", "i1", "--set", "rounds=50", *TINY, cwd=tmp_path)
+    run = tmp_path / "runs" / "i1"
+    try:
+        _wait_for(lambda: (_json(run / "run.json") or {}).get("launch"), 60, "the launch record")
+        time.sleep(1.0)  # let the launcher enter its progress loop
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "interrupted: cancelled run" in err and "--detach" in err
+    states = [_json(run / "logs" / f"rank-{r}.state.json") for r in (0, 1)]
+    assert all(s and s["status"] == "cancelled" for s in states), states
