@@ -46,7 +46,8 @@ from diloco_serverless.store import ObjectNotFound, ObjectStore
 
 __all__ = ["launch", "Run", "LaunchError", "RunFailed", "BudgetExceeded"]
 
-#: A running replica whose heartbeat is older than this is shown as ``stale``.
+#: A running replica whose heartbeat is older than this (or than 3 rounds' wall time, when rounds
+#: are slower) is shown as ``stale``: heartbeats are written once per round.
 STALE_AFTER_S = 300.0
 
 
@@ -165,12 +166,15 @@ class Run:
         heartbeats only): a few requests per run, for listing many runs.
         """
         now = time.time() if now is None else now
-        train, eval_curve = curves(self.metrics()) if with_metrics else ({}, [])
+        metrics = self.metrics() if with_metrics else {}
+        train, eval_curve = curves(metrics)
+        walls = [float(recs[-1].get("wall_s") or 0.0) for recs in metrics.values() if recs]
+        stale_after_s = max([STALE_AFTER_S, *(3.0 * w for w in walls)])
         members = {r: _outer(hb.to_json_dict(), self.config.exchange.fragments, train.get(r))
                    for r, hb in read_members(self._store).items()}
         states = poll_states(self._executor, self.handles) if self.handles else {}
         n = self.config.replicas
-        replicas = [build_replica(r, states.get(r), members.get(r), now, STALE_AFTER_S) for r in range(n)]
+        replicas = [build_replica(r, states.get(r), members.get(r), now, stale_after_s) for r in range(n)]
         start = _launched_at(self.record)
         elapsed = max(0.0, now - start) if start is not None and self.handles else 0.0
         ages = [r.heartbeat_age_s for r in replicas if r.heartbeat_age_s is not None]

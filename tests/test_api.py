@@ -244,3 +244,17 @@ def test_local_executor_cancel_from_another_handle(tmp_path: Path, fake_entrypoi
     with pytest.raises(RunFailed, match="was cancelled"):
         run.wait(poll_interval_s=0.2, timeout_s=30)
     assert [r.state for r in run.status().replicas] == ["cancelled", "cancelled"]
+
+
+def test_stale_threshold_follows_round_time(tmp_path: Path) -> None:
+    import time as _time
+
+    from diloco_serverless.run import write_metrics
+
+    run = launch(_cfg(tmp_path, "replicas=2", "rounds=2"), executor=FakeExecutor(rounds=1, finish=False))
+    later = _time.time() + 400  # heartbeats are 400 s old by then
+    assert [r.state for r in run.status(now=later).replicas] == ["stale", "stale"]
+    store, _ = api.load_run(run.url)
+    for rank in (0, 1):
+        write_metrics(store, rank, 1, {"loss": 3.0, "wall_s": 200.0})  # slow rounds: 3 x 200 s allowed
+    assert [r.state for r in run.status(now=later).replicas] == ["running", "running"]
