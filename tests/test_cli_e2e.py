@@ -56,10 +56,11 @@ def _json(path: Path) -> dict[str, Any] | None:
 
 
 def _kill_replica_after_round(run: Path, rank: int, round_: int, timeout_s: float = 150) -> int:
-    """SIGKILL rank's replica process (not its supervisor) once its heartbeat reports ``round_``."""
+    """SIGKILL rank's replica process (not its supervisor) once its heartbeat reports ``round_``
+    (in whatever phase: training, evaluating, checkpointing), before the run's last round."""
     def trained() -> bool:
         hb = _json(run / "members" / f"rank-{rank}.json")
-        return bool(hb and hb["round"] >= round_ and hb["state"] == "training")
+        return bool(hb and round_ <= hb["round"] <= round_ + 1 and hb["state"] not in ("done", "failed"))
 
     _wait_for(trained, timeout_s, f"rank {rank} to finish round {round_}")
     state = _wait_for(lambda: (s := _json(run / "logs" / f"rank-{rank}.state.json")) and s.get("child_pid") and s,
