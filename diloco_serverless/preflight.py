@@ -55,10 +55,7 @@ def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[st
         raise LaunchError("pass either --store or --store-from-terraform, not both")
     try:
         if isinstance(config, RunConfig):
-            cfg = RunConfig.load(None, list(overrides)) if overrides else config
-            if overrides:
-                merged = _merge(config.to_json_dict(), cfg.model_dump(mode="json", exclude_unset=True))
-                cfg = RunConfig.from_dict(merged, source="config + overrides")
+            cfg = _apply_overrides(config, overrides) if overrides else config
         else:
             cfg = RunConfig.load(str(config) if config is not None else None, list(overrides))
         if store_from_terraform is not None:
@@ -72,11 +69,16 @@ def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[st
     return cfg
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+def _apply_overrides(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
+    """``key=value`` overrides on top of a RunConfig object, parsed and checked exactly as
+    ``RunConfig.load`` does for a file (same value syntax, unknown-key suggestions)."""
+    from diloco_serverless.config import _parse_override, _set_dotted  # one parser for --set everywhere
+
+    raw = config.to_json_dict()
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value, RunConfig)
+    return RunConfig.from_dict(raw, source=f"config + --set {' '.join(overrides)}")
 
 
 def _terraform_store(path: str | Path) -> str:

@@ -121,9 +121,12 @@ def test_launch_with_executor_object_and_attach(tmp_path: Path) -> None:
 
 
 def test_launch_overrides_on_a_config_object(tmp_path: Path) -> None:
-    run = launch(_cfg(tmp_path, "inner.lr=0.01"), executor=FakeExecutor(), overrides=["rounds=2"], replicas=2)
-    cfg = run.config
-    assert (cfg.rounds, cfg.replicas, cfg.inner.lr, cfg.run_id) == (2, 2, 0.01, "r1")
+    base = _cfg(tmp_path, "inner.lr=0.01", "replicas=8")
+    run = launch(base, executor=FakeExecutor(), overrides=["rounds=2", "min_replicas=6"])
+    cfg = run.config  # min_replicas=6 is valid against the object's 8 replicas (not the default 4)
+    assert (cfg.rounds, cfg.replicas, cfg.min_replicas, cfg.inner.lr, cfg.run_id) == (2, 8, 6, 0.01, "r1")
+    with pytest.raises(LaunchError, match="unknown config key 'inner.lrr'"):
+        launch(base, executor=FakeExecutor(), overrides=["inner.lrr=1"])
 
 
 def test_launch_on_s3(s3_store_url: str, s3_storage_options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
