@@ -31,6 +31,7 @@ import torch
 from diloco_serverless.codec import ShardHeader, decode_shard, decode_values, encode_values, pack, validate_codec
 from diloco_serverless.exchange_errors import CorruptObjectError, ExchangeError, MismatchError, RoundPrunedError
 from diloco_serverless.exchange_io import (
+    FIRST_POLL_S as _FIRST_POLL_S,
     ROUNDS,
     CountingStore,
     contrib_key,
@@ -73,6 +74,7 @@ class RoundStats:
     late: bool = False
     reduced_shards: list[int] = field(default_factory=list)
     takeovers: list[int] = field(default_factory=list)
+    phases_s: dict[str, float] = field(default_factory=dict)  # publish, quorum, reduce, gather
 
 
 @dataclass
@@ -102,7 +104,7 @@ class ObjectStoreAllReduce:
         codec: ``fp32``, ``bf16`` or ``int8`` for contributions and reduced shards (reduction is fp32).
         error_feedback: add the codec's residual of the previous round (per ``residual_key``) to the input.
         keep_rounds: rounds kept in the store (older ones are deleted); ``None`` keeps all (use ``prune``).
-        poll_interval_s: longest sleep between polls (polling starts at 5 ms and backs off).
+        poll_interval_s: longest sleep between polls (polling starts at 20 ms and backs off 1.5x).
 
     Raises ``ValueError`` in ``__init__`` for an impossible configuration, saying what to change.
     """
@@ -224,10 +226,13 @@ class ObjectStoreAllReduce:
         assert io is not None and rs.stats is not None
         quorum = read_quorum(io, run_id=self.run_id, round=rs.r)
         if quorum is None:
+            t = time.monotonic()
             rs.own = self._publish(rs, flat)
             waited = time.monotonic()
+            rs.stats.phases_s["publish"] = waited - t
             quorum = wait_for_quorum(io, rs.me, QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline, self.poll_interval_s))
             rs.stats.wait_s += time.monotonic() - waited
+            rs.stats.phases_s["quorum"] = time.monotonic() - waited
         check_agreement(quorum, rs.me)
         return quorum
 
@@ -254,6 +259,7 @@ class ObjectStoreAllReduce:
         ref = quorum.markers[quorum.participants[0]]
         out = torch.empty(ref.numel, dtype=torch.float32)
         done: set[int] = set()
+        t_reduce = time.monotonic()
 
         def place(j: int, values: torch.Tensor) -> None:
             out[rs.bounds[j][0] : rs.bounds[j][1]].copy_(values)
@@ -263,7 +269,8 @@ class ObjectStoreAllReduce:
             if quorum.participants[j % len(quorum.participants)] == self.rank:
                 place(j, self._reduce(rs, quorum, j, ref))
                 rs.stats.reduced_shards.append(j)
-        started, sleep_s = time.monotonic(), min(0.005, self.poll_interval_s)
+        started, sleep_s = time.monotonic(), min(_FIRST_POLL_S, self.poll_interval_s)
+        rs.stats.phases_s["reduce"] = started - t_reduce
         while len(done) < self.world_size:
             missing = [j for j in range(self.world_size) if j not in done]
             present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
@@ -273,7 +280,7 @@ class ObjectStoreAllReduce:
                 for j, key in keys.items():
                     place(j, decode_shard(blobs.pop(key), key=key, expect=self._reduced_header(rs.r, j, rs.bounds[j], ref)))
             if present:
-                sleep_s = min(0.005, self.poll_interval_s)
+                sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
                 continue
             now = time.monotonic()
             if now - started >= self.takeover_timeout_s:
@@ -288,6 +295,7 @@ class ObjectStoreAllReduce:
             time.sleep(pause)
             rs.stats.wait_s += pause
             sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
+        rs.stats.phases_s["gather"] = time.monotonic() - started
         return out
 
     def _reduce(self, rs: _Round, quorum: Quorum, j: int, ref: ReadyMarker) -> torch.Tensor:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from diloco_serverless.store import ObjectStore
 
 ROUNDS = "rounds"
+FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per empty poll up to poll_interval_s
 _RANK_RE = re.compile(r"rank-(\d+)$")
 _SHARD_RE = re.compile(r"/(\d{4,})$")
 

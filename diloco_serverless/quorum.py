@@ -18,6 +18,7 @@ from typing import Any
 
 from diloco_serverless.exchange_errors import CorruptObjectError, MismatchError, RoundPrunedError
 from diloco_serverless.exchange_io import (
+    FIRST_POLL_S as _FIRST_POLL_S,
     ROUNDS,
     CountingStore,
     json_bytes,
@@ -167,7 +168,7 @@ def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait) -> Quorum
     """
     started = time.monotonic()
     grace_s = max(4 * p.poll_interval_s, 0.5)
-    sleep_s, last_skip_check, last_read = min(0.005, p.poll_interval_s), started - 1.0, started
+    sleep_s, last_skip_check, last_read = min(_FIRST_POLL_S, p.poll_interval_s), started - 1.0, started
     entitled_since: float | None = None
     seen: set[int] = set()
     while True:
@@ -193,6 +194,6 @@ def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait) -> Quorum
             _check_skipped(io, me)
             last_skip_check = now
         if ready != seen:
-            seen, sleep_s = ready, min(0.005, p.poll_interval_s)
+            seen, sleep_s = ready, min(_FIRST_POLL_S, p.poll_interval_s)
         time.sleep(min(sleep_s, max(0.0, p.deadline - now)))
         sleep_s = min(sleep_s * 1.5, p.poll_interval_s)
