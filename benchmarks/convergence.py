@@ -76,7 +76,7 @@ class Setup:
                 "exchange.round_timeout_s=1200", "exchange.keep_rounds=2"]
 
 
-QUICK = Setup(steps=250, sync_every=50, batch=4, seq_len=96, eval_batches=12, util_rounds=2, util_delay=25)
+QUICK = Setup(steps=250, sync_every=50, batch=4, seq_len=64, eval_batches=12, util_rounds=2, util_delay=25)
 FULL = Setup(steps=1500, sync_every=50, batch=4, seq_len=128, eval_batches=32, util_rounds=4, util_delay=25)
 
 

@@ -178,9 +178,8 @@ class ReplicaTrainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
         """Heal, train until the run's last round, write the final model. See the module docstring."""
-        self.check_checkpoint_compatible()
         self._heartbeat("healing")
-        self.heal()
+        self.heal()  # raises CheckpointMismatch before any training if the checkpoint does not fit
         if final_exists(self.store):
             logger.info("rank %d: run %s already finished (final/DONE.json exists)", self.rank, self.cfg.run_id)
             self.manager.shutdown()
@@ -196,7 +195,11 @@ class ReplicaTrainer:
 
     def _one_round(self) -> None:
         """Catch up if the others are ahead, then inner steps until the next exchange round finished."""
-        self.replayed += self.rep.catch_up(self.total_rounds)
+        replayed = self.rep.catch_up(self.total_rounds)
+        if replayed:  # the others finished rounds without us: skip the data they stand for
+            self.replayed += replayed
+            self.inner_steps += replayed * self.rep.inner_steps_per_round
+            self.data.position += replayed * self.rep.inner_steps_per_round * self.cfg.data.batch_size
         if self.manager.current_step() >= self.total_rounds:
             return
         round_, seg = self.manager.current_step(), _Segment()
