@@ -22,7 +22,7 @@ the same create-only ``reduced`` objects. Failures raise :class:`ExchangeError` 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +87,7 @@ class _Round:
     deadline: float
     own: list[torch.Tensor] | None = None  # our decoded contributions, per shard
     stats: RoundStats | None = None
+    prefetch: dict[str, Future[bytes | None]] = field(default_factory=dict)  # contrib key -> GET in flight
 
 
 class ObjectStoreAllReduce:
@@ -230,7 +231,8 @@ class ObjectStoreAllReduce:
             rs.own = self._publish(rs, flat)
             waited = time.monotonic()
             rs.stats.phases_s["publish"] = waited - t
-            quorum = wait_for_quorum(io, rs.me, QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline, self.poll_interval_s))
+            wait = QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline, self.poll_interval_s)
+            quorum = wait_for_quorum(io, rs.me, wait, on_ready=lambda ready: self._prefetch(rs, ready))
             rs.stats.wait_s += time.monotonic() - waited
             rs.stats.phases_s["quorum"] = time.monotonic() - waited
         check_agreement(quorum, rs.me)
@@ -298,6 +300,17 @@ class ObjectStoreAllReduce:
         rs.stats.phases_s["gather"] = time.monotonic() - started
         return out
 
+    def _prefetch(self, rs: _Round, ready: set[int]) -> None:
+        """While waiting for the quorum, start downloading the contributions of ready ranks to the
+        shard we will own if everyone arrives (shard ``rank``): the reduce then overlaps the wait.
+        If the quorum turns out smaller, those bytes are simply not used."""
+        io = self._io
+        assert io is not None
+        for q in ready - {self.rank}:
+            key = contrib_key(rs.r, self.rank, q)
+            if key not in rs.prefetch:
+                rs.prefetch[key] = io.get_async(key)
+
     def _reduce(self, rs: _Round, quorum: Quorum, j: int, ref: ReadyMarker) -> torch.Tensor:
         """Mean of shard j over the quorum (rank order, fp32), stored create-only; returns the stored values."""
         io = self._io
@@ -305,7 +318,11 @@ class ObjectStoreAllReduce:
         a, b = rs.bounds[j]
         use_own = rs.own is not None and self.rank in quorum.participants
         keys = {q: contrib_key(rs.r, j, q) for q in quorum.participants if not (use_own and q == self.rank)}
-        blobs = io.get_many(list(keys.values()), missing_ok=True)
+        pending = {k: rs.prefetch.pop(k) for k in keys.values() if k in rs.prefetch}
+        blobs = io.get_many([k for k in keys.values() if k not in pending], missing_ok=True)
+        for k, fut in pending.items():
+            data = fut.result()
+            blobs.update({k: data} if data is not None else io.get_many([k], missing_ok=True))
         acc = torch.zeros(b - a, dtype=torch.float32)
         for q in quorum.participants:
             if use_own and q == self.rank:

@@ -14,7 +14,7 @@ import json
 import re
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -145,6 +145,10 @@ class CountingStore:
         out = {k: v for k, v in zip(keys, values) if v is not None}
         self._add(down=sum(len(v) for v in out.values()))
         return out
+
+    def get_async(self, key: str) -> Future[bytes | None]:
+        """Start one GET in the background; the future yields ``None`` if the object is missing."""
+        return self._executor().submit(lambda: self.get_many([key], missing_ok=True).get(key))
 
     def get_or_none(self, key: str) -> bytes | None:
         """One GET; ``None`` if the object does not exist."""

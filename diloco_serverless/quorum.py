@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -157,12 +158,13 @@ def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
         )
 
 
-def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait) -> Quorum:
+def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait, on_ready: Callable[[set[int]], None] | None = None) -> Quorum:
     """Poll ``ready/`` until a quorum exists, writing it ourselves when we are entitled to.
 
     Entitled = all N ready, or our straggler deadline passed with ``min_replicas`` ready. The
     lowest ready rank writes at once (one replica reads the N markers, not N replicas); any other
     entitled replica writes after a short grace, so a writer that died costs only that grace.
+    ``on_ready`` sees the ready ranks after every listing (the exchange starts prefetching there).
     Raises ``TimeoutError`` naming the ranks that never arrived when ``p.deadline`` passes with
     fewer than ``min_replicas`` ready, and :class:`RoundPrunedError` if the run moved on.
     """
@@ -173,6 +175,8 @@ def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait) -> Quorum
     seen: set[int] = set()
     while True:
         ready = {r for r in ranks_in(io.list(ready_prefix(me.round))) if 0 <= r < p.world_size}
+        if on_ready is not None:
+            on_ready(ready)
         now = time.monotonic()
         entitled = len(ready) >= p.world_size or (now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas)
         if entitled:
