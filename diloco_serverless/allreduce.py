@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -275,13 +276,7 @@ class ObjectStoreAllReduce:
         rs.stats.phases_s["reduce"] = started - t_reduce
         while len(done) < self.world_size:
             missing = [j for j in range(self.world_size) if j not in done]
-            present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
-            for batch in _batches(present, rs.bounds, _GATHER_BATCH_BYTES // 4):
-                keys = {j: reduced_key(rs.r, j) for j in batch}
-                blobs = io.get_many(list(keys.values()))
-                for j, key in keys.items():
-                    place(j, decode_shard(blobs.pop(key), key=key, expect=self._reduced_header(rs.r, j, rs.bounds[j], ref)))
-            if present:
+            if self._fetch_reduced(rs, missing, ref, place):
                 sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
                 continue
             now = time.monotonic()
@@ -299,6 +294,18 @@ class ObjectStoreAllReduce:
             sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
         rs.stats.phases_s["gather"] = time.monotonic() - started
         return out
+
+    def _fetch_reduced(self, rs: _Round, missing: list[int], ref: ReadyMarker, place: Callable[[int, torch.Tensor], None]) -> bool:
+        """Download and verify the reduced shards among ``missing`` that exist now; False if none did."""
+        io = self._io
+        assert io is not None
+        present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
+        for batch in _batches(present, rs.bounds, _GATHER_BATCH_BYTES // 4):
+            keys = {j: reduced_key(rs.r, j) for j in batch}
+            blobs = io.get_many(list(keys.values()))
+            for j, key in keys.items():
+                place(j, decode_shard(blobs.pop(key), key=key, expect=self._reduced_header(rs.r, j, rs.bounds[j], ref)))
+        return bool(present)
 
     def _prefetch(self, rs: _Round, ready: set[int]) -> None:
         """While waiting for the quorum, start downloading the contributions of ready ranks to the
