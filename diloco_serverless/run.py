@@ -461,10 +461,13 @@ def read_metrics(run_store: ObjectStore, rank: int | None = None) -> list[dict[s
 def list_runs(store: ObjectStore | str, storage_options: dict[str, Any] | None = None) -> list[RunRecord]:
     """Runs directly under a store URL (folders holding a run.json), oldest first.
 
-    Runs whose run.json is unreadable are skipped with a warning naming them.
+    Reads one delimited listing of the store's top-level folders and fetches their
+    ``<folder>/run.json`` concurrently; it never lists the rounds inside a run, so it stays
+    fast on a large S3/GCS prefix. Runs whose run.json is unreadable are skipped with a
+    warning naming them; folders without one are ignored.
     """
     root = store if isinstance(store, ObjectStore) else ObjectStore(store, storage_options)
-    keys = [k for k in root.list("") if k.count("/") == 1 and k.endswith("/" + RUN_JSON)]
+    keys = [f"{folder}/{RUN_JSON}" for folder in root.list_dirs("")]
     out: list[RunRecord] = []
     for key, raw in sorted(root.get_many(keys, missing_ok=True).items()):
         url = join_run_url(root.url, key.split("/", 1)[0])

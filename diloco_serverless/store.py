@@ -4,7 +4,7 @@ One URL in: ``file:///abs/path`` or a bare path (local), ``memory://name`` (in-p
 ``s3://bucket/prefix`` (s3fs), ``gs://bucket/prefix`` (gcsfs); other fsspec protocols work with
 plain (non-create-only) semantics. Operations: :meth:`put`, :meth:`put_if_absent` (atomic
 create-only, the exchange's one consensus primitive), :meth:`get`, :meth:`get_many` (concurrent),
-:meth:`exists`, :meth:`list`, :meth:`delete`.
+:meth:`exists`, :meth:`list` (recursive), :meth:`list_dirs` (one level, delimited), :meth:`delete`.
 
 Create-only per back end:
 
@@ -132,6 +132,16 @@ def _check_key(key: str, *, allow_empty: bool = False) -> str:
         if part in ("", ".", "..") or part.startswith(store_local.TEMP_PREFIX):
             raise ValueError(f"store key {key!r} has an empty, '.', '..' or reserved component")
     return stripped
+
+
+def _is_child_key(key: str, prefix: str) -> bool:
+    """True if ``key`` is a valid key one level below the folder ``prefix``."""
+    try:
+        key = _check_key(key)
+    except ValueError:  # a folder name no key can spell (e.g. with a backslash): skip it
+        return False
+    parent, _, _ = key.rpartition("/")
+    return parent == prefix
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -425,6 +435,35 @@ class ObjectStore:
         keys = (self._rel(p) for p in paths if not store_local.is_temp_name(p))
         return sorted(k for k in keys if k)
 
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """The immediate child "folders" of ``prefix`` ('' = the store root), NOT recursive:
+        one delimited listing (S3 ``CommonPrefixes``, GCS ``prefixes``) instead of every key
+        below. Keys relative to the store root (``list_dirs("a")`` -> ``["a/b", ...]``),
+        sorted; ``[]`` if ``prefix`` holds no folders or does not exist.
+
+        On object stores a folder exists while it holds an object; a local folder can outlive
+        its last file, so callers should not infer that a listed folder holds anything.
+        """
+        prefix = _check_key(prefix, allow_empty=True)
+        path = self._path(prefix)
+
+        def attempt(remaining: float) -> list[str]:
+            if self.protocol == "file":
+                return _local_dirs(path)
+            if hasattr(self.fs, "invalidate_cache"):
+                self.fs.invalidate_cache(path)
+            try:
+                entries = self._fs_call("ls", path, detail=True, timeout_s=remaining)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+            here = self.fs._strip_protocol(path).rstrip("/")
+            names = (e["name"].rstrip("/") for e in entries if e.get("type") == "directory")
+            return [n for n in names if n != here]
+
+        paths = self._run("list_dirs", prefix, attempt)
+        keys = {self._rel(p) for p in paths if not store_local.is_temp_name(p)}
+        return sorted(k for k in keys if _is_child_key(k, prefix))
+
     # ----------------------------------------------------------------- deletes
     def delete(self, key: str, *, recursive: bool = False) -> None:
         """Delete the object at ``key``; with ``recursive`` everything under the folder ``key``
@@ -454,6 +493,16 @@ def _local_find(path: str) -> list[str]:
     for folder, _dirs, files in os.walk(path):
         out.extend(os.path.join(folder, f) for f in files if not store_local.is_temp_name(f))
     return out
+
+
+def _local_dirs(path: str) -> list[str]:
+    """Sub-folders directly in ``path``; ``[]`` if it is missing or not a folder."""
+    try:
+        with os.scandir(path) as entries:
+            return [e.path for e in entries if e.is_dir(follow_symlinks=False)
+                    and not store_local.is_temp_name(e.name)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _local_delete(path: str, recursive: bool) -> None:

@@ -173,6 +173,29 @@ def test_list_runs(memory_store_url: str) -> None:
     assert list_runs(f"{memory_store_url}/empty") == []
 
 
+@pytest.mark.parametrize("backend", ["memory", "file", "s3", "gcs"])
+def test_list_runs_reads_only_top_level_run_json(backend: str, request: pytest.FixtureRequest,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    url = request.getfixturevalue(f"{backend}_store_url") + "/runs"
+    options = request.getfixturevalue(f"{backend}_storage_options") if backend in ("s3", "gcs") else None
+    root = ObjectStore(url, options)
+    create_run(root, _cfg("run-a"))
+    create_run(root, _cfg("run-b"))
+    root.put("run-a/rounds/00000000/quorum.json", b"{}")
+    root.put("run-b/nested/run.json", b"[]")  # not a run: not directly under the store
+    root.put("loose/deeper/run.json", b"[]")
+    root.put("run.json", b"[]")  # a file at the top, not a run folder
+
+    def no_recursive_listing(self: ObjectStore, prefix: str = "") -> list[str]:
+        raise AssertionError(f"list_runs listed {self.url}/{prefix} recursively")
+
+    monkeypatch.setattr(ObjectStore, "list", no_recursive_listing)
+    runs = list_runs(root)
+    assert [r.run_id for r in runs] == ["run-a", "run-b"]
+    assert [r.url for r in runs] == [join_run_url(root.url, "run-a"), join_run_url(root.url, "run-b")]
+    assert list_runs(root.child("run-a")) == []
+
+
 def test_create_makes_a_relative_jsonl_source_absolute(
     tmp_path: Path, memory_store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -97,6 +97,36 @@ def test_list_is_recursive_sorted_relative(store: ObjectStore) -> None:
     assert store.list("nothing/here") == []
 
 
+def test_list_dirs_is_one_level(store: ObjectStore) -> None:
+    assert store.list_dirs() == []
+    for key in ("run-b/run.json", "run-b/rounds/00000001/quorum.json", "run-a/members/rank-0.json",
+                "loose.txt", "run-c/rounds/00000000/ready/rank-0", "run-c/rounds/00000003/quorum.json"):
+        store.put(key, b"x")
+    assert store.list_dirs() == ["run-a", "run-b", "run-c"]  # no files, no grandchildren
+    assert store.list_dirs("") == store.list_dirs()
+    assert store.list_dirs("run-b") == ["run-b/rounds"]
+    assert store.list_dirs("run-c/rounds/") == ["run-c/rounds/00000000", "run-c/rounds/00000003"]
+    assert store.list_dirs("run-a/members") == []  # only objects below
+    assert store.list_dirs("loose.txt") == []  # an object, not a folder
+    assert store.list_dirs("nothing/here") == []
+    assert store.child("run-c").list_dirs("rounds") == ["rounds/00000000", "rounds/00000003"]
+
+
+def test_list_dirs_does_not_walk_the_tree(store: ObjectStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    store.put("run-a/rounds/00000001/quorum.json", b"x")
+    if store.fs is not None:  # object stores: one ls, never find/walk
+        for name in ("find", "_find", "walk", "_walk"):
+            monkeypatch.setattr(store.fs, name, _forbidden, raising=False)
+    else:
+        import os
+        monkeypatch.setattr(os, "walk", _forbidden)
+    assert store.list_dirs() == ["run-a"]
+
+
+def _forbidden(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("list_dirs must not list recursively")
+
+
 def test_delete(store: ObjectStore) -> None:
     for key in ("rounds/00000001/a", "rounds/00000001/sub/b", "rounds/00000002/a"):
         store.put(key, b"x")
