@@ -327,7 +327,9 @@ def launch(config: RunConfig | str | Path | None = None, executor: Any = "local"
     """Validate, create the run in the store, start its replicas, record their handles.
 
     ``config`` is a RunConfig, a TOML path, or None for the defaults; ``overrides`` are
-    ``key=value`` strings applied on top; ``replicas``/``store``/``run_id`` win over both.
+    ``key=value`` strings applied on top (on an object via :meth:`RunConfig.with_overrides`,
+    on a file or the defaults via :meth:`RunConfig.load`); ``replicas``/``store``/``run_id``
+    win over both.
     ``executor`` is a kind ("local", "modal", "hf-jobs") built with ``executor_options`` and
     ``gpu``, or a ready ServerlessExecutor. ``store_from_terraform`` names a Terraform directory
     (or saved ``terraform output -json`` file) whose ``exchange_url`` becomes the store.

@@ -4,6 +4,7 @@ A run is described by one :class:`RunConfig` (pydantic v2, ``extra="forbid"``), 
 TOML file and ``--set section.key=value`` overrides::
 
     cfg = RunConfig.load("examples/tiny.toml", ["inner.lr=3e-4", "replicas=8"])
+    cfg = cfg.with_overrides(["rounds=20"])   # same --set syntax on top of an existing object
     store_json = cfg.to_json_dict()          # what goes into <run>/run.json
 
 The defaults are the DiLoCo paper's (arXiv 2311.08105: outer Nesterov SGD, lr 0.7, momentum 0.9)
@@ -319,7 +320,25 @@ class RunConfig(_Section):
         raw: dict[str, Any] = _read_toml(Path(path)) if path is not None else {}
         source = str(path) if path is not None else "defaults"
         _check_known_keys(raw, cls, "", source)
-        for item in overrides or []:
+        return cls._from_raw_with_overrides(raw, overrides or [], source)
+
+    def with_overrides(self, overrides: list[str]) -> RunConfig:
+        """A new, validated RunConfig: this one with dotted ``key=value`` overrides applied.
+
+        Same syntax and errors as :meth:`load` (TOML literals, ``none``/``null`` unsets an
+        optional field, unknown keys suggest close matches), but on top of this object's values
+        rather than the defaults, so cross-field checks see them (``min_replicas=6`` is valid
+        when this config has ``replicas=8``). ``self`` is never modified; no overrides returns
+        an equal copy. Raises ConfigError naming the field and the ``--set`` source.
+        """
+        if isinstance(overrides, str):  # a lone "k=v" would otherwise be split into characters
+            raise TypeError(f"with_overrides takes a list of 'key=value' strings, e.g. [{overrides!r}]")
+        return type(self)._from_raw_with_overrides(self.to_json_dict(), list(overrides), "config")
+
+    @classmethod
+    def _from_raw_with_overrides(cls, raw: dict[str, Any], overrides: list[str], source: str) -> RunConfig:
+        """Apply ``overrides`` to the plain dict ``raw`` (edited in place) and validate it."""
+        for item in overrides:
             key, value = _parse_override(item)
             _set_dotted(raw, key, value, cls)
         if overrides:

@@ -55,7 +55,7 @@ def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[st
         raise LaunchError("pass either --store or --store-from-terraform, not both")
     try:
         if isinstance(config, RunConfig):
-            cfg = _apply_overrides(config, overrides) if overrides else config
+            cfg = config.with_overrides(list(overrides)) if overrides else config
         else:
             cfg = RunConfig.load(str(config) if config is not None else None, list(overrides))
         if store_from_terraform is not None:
@@ -67,18 +67,6 @@ def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[st
     except ConfigError as e:
         raise LaunchError(one_line(str(e))) from None
     return cfg
-
-
-def _apply_overrides(config: RunConfig, overrides: Sequence[str]) -> RunConfig:
-    """``key=value`` overrides on top of a RunConfig object, parsed and checked exactly as
-    ``RunConfig.load`` does for a file (same value syntax, unknown-key suggestions)."""
-    from diloco_serverless.config import _parse_override, _set_dotted  # one parser for --set everywhere
-
-    raw = config.to_json_dict()
-    for item in overrides:
-        key, value = _parse_override(item)
-        _set_dotted(raw, key, value, RunConfig)
-    return RunConfig.from_dict(raw, source=f"config + --set {' '.join(overrides)}")
 
 
 def _terraform_store(path: str | Path) -> str:

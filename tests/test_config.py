@@ -152,3 +152,41 @@ def test_none_unsets_optional_fields() -> None:
     cfg = RunConfig.load(None, ["min_replicas=2", "min_replicas=none", "exchange.keep_rounds=null"])
     assert cfg.min_replicas is None and cfg.exchange.keep_rounds is None
     assert RunConfig.load(None, ["model.name=none"]).model.name == "none"  # not optional: stays a string
+
+
+def test_with_overrides_applies_on_top_of_the_object_not_the_defaults() -> None:
+    base = RunConfig.load(None, ["run_id=exp-7", "replicas=8", "inner.lr=0.01", "min_replicas=none"])
+    cfg = base.with_overrides(["min_replicas=6", "rounds=2", "exchange.codec=bf16"])
+    # min_replicas=6 validates against the object's replicas=8, not the default 4
+    assert (cfg.run_id, cfg.replicas, cfg.min_replicas, cfg.rounds) == ("exp-7", 8, 6, 2)
+    assert cfg.inner.lr == 0.01 and cfg.exchange.codec == "bf16"
+    assert (base.min_replicas, base.rounds, base.exchange.codec) == (None, 10, "fp32")  # base untouched
+    assert cfg.with_overrides(["min_replicas=null"]).min_replicas is None
+    same = base.with_overrides([])
+    assert same == base and same is not base
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["inner.lrr=1"], "unknown config key 'inner.lrr' (from --set); did you mean inner.lr"),
+        (["inner=3"], "targets a whole section"),
+        (["no_equals_sign"], "must look like key=value"),
+        (["min_replicas=9"], "min_replicas (9) must be <= replicas (8)"),
+        (["exchange.codec=fp8"], "invalid config (from config + --set exchange.codec=fp8)"),
+    ],
+)
+def test_with_overrides_errors_match_load(overrides: list[str], expected: str) -> None:
+    base = RunConfig.load(None, ["replicas=8"])
+    with pytest.raises(ConfigError, match=re.escape(expected)) as from_object:
+        base.with_overrides(overrides)
+    with pytest.raises(ConfigError) as from_load:  # RunConfig.load says the same for the same input
+        RunConfig.load(None, ["replicas=8", *overrides])
+    assert _without_source(str(from_object.value)) == _without_source(str(from_load.value))
+    with pytest.raises(TypeError, match="list of 'key=value'"):
+        base.with_overrides("rounds=2")  # type: ignore[arg-type]
+
+
+def _without_source(message: str) -> str:
+    """A ConfigError message minus its "(from <source>)" part, which differs by entry point."""
+    return re.sub(r"\(from [^)]*\)", "(from ...)", message)
