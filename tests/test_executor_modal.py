@@ -28,6 +28,7 @@ from diloco_serverless.executors import (  # noqa: E402
     handle_from_json,
 )
 from diloco_serverless.executors._remote import ReplicaProcessError, run_replica_process  # noqa: E402
+from diloco_serverless.executors import modal as modal_executor  # noqa: E402
 from diloco_serverless.executors.modal import ModalExecutor  # noqa: E402
 
 TESTS_DIR = str(Path(__file__).parent)
@@ -156,7 +157,16 @@ def fake_modal(monkeypatch: pytest.MonkeyPatch) -> FakeModal:
     return fake
 
 
-def test_launch_builds_app_function_image_secrets_and_spawns(fake_modal: FakeModal) -> None:
+@pytest.fixture
+def installed_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Make the package look pip-installed from a wheel: site-packages holds no pyproject.toml."""
+    package_dir = tmp_path / "site-packages" / "diloco_serverless"
+    package_dir.mkdir(parents=True)
+    monkeypatch.setattr(modal_executor, "PACKAGE_DIR", package_dir)
+    return package_dir
+
+
+def test_launch_builds_app_function_image_secrets_and_spawns(fake_modal: FakeModal, installed_wheel: Path) -> None:
     ex = get_executor("modal", gpu="h100", secrets=["aws-creds"], timeout_s=3600, retries=4, poll_interval_s=0.01)
     env = {"DILOCO_RUN_URL": RUN_URL, "AWS_ENDPOINT_URL": "https://s3.example", "AWS_SECRET_ACCESS_KEY": "leak"}
     handles = ex.launch_replicas(3, "diloco_serverless.entrypoints.replica", ["--run-url", RUN_URL], env=env)
@@ -244,6 +254,51 @@ def test_local_source_image(fake_modal: FakeModal) -> None:
     assert fake_modal.functions[0].options["gpu"] is None
     assert ops[1][0] == "pip_install" and "s3fs>=2024.6" in ops[1][1] and "gcsfs>=2024.6" not in ops[1][1]
     assert ops[2] == ("add_local_python_source", ("diloco_serverless",))
+
+
+def _image_ops(fake: FakeModal, **options: Any) -> list[tuple[str, Any]]:
+    ModalExecutor(gpu=None, **options).launch_replicas(1, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    return fake.functions[-1].options["image"].ops
+
+
+def test_default_image_ships_the_source_of_a_checkout(fake_modal: FakeModal, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = Path(__file__).resolve().parents[1]  # this repository is a checkout (whatever CI imports)
+    monkeypatch.setattr(modal_executor, "PACKAGE_DIR", repo / "diloco_serverless")
+    assert modal_executor.source_checkout_root() == repo
+    ops = _image_ops(fake_modal)
+    assert ops[2] == ("add_local_python_source", ("diloco_serverless",))
+    assert "diloco-serverless[s3,gcs]==0.1.0" not in ops[1][1] and "s3fs>=2024.6" in ops[1][1]
+    assert _image_ops(fake_modal, local_source="auto") == ops
+
+    # another checkout: its pyproject's requirements (not the installed metadata) go into the image
+    checkout = tmp_path / "checkout"
+    (checkout / "diloco_serverless").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text(
+        '[project]\nname = "Diloco_Serverless"\ndependencies = ["torch>=9"]\n'
+        '[project.optional-dependencies]\ns3 = ["s3fs>=9"]\ndev = ["moto[server]>=5; python_version>\'3\'"]\n')
+    monkeypatch.setattr(modal_executor, "PACKAGE_DIR", checkout / "diloco_serverless")
+    ops = _image_ops(fake_modal, extras=("s3", "dev"))
+    assert ops[1:] == [("pip_install", ("torch>=9", "s3fs>=9", "moto[server]>=5")),
+                       ("add_local_python_source", ("diloco_serverless",))]
+    # an explicit package= or local_source=False pip-installs even from a checkout
+    assert _image_ops(fake_modal, package="git+https://example/x.git")[1:] == [
+        ("pip_install", ("git+https://example/x.git",))]
+    assert _image_ops(fake_modal, local_source=False)[1:] == [
+        ("pip_install", ("diloco-serverless[s3,gcs]==0.1.0",))]
+
+
+@pytest.mark.parametrize("pyproject", [None, '[project]\nname = "other-project"\n', "not = = toml"])
+def test_default_image_pip_installs_outside_a_checkout(fake_modal: FakeModal, installed_wheel: Path,
+                                                       pyproject: str | None) -> None:
+    if pyproject is not None:  # a foreign or broken pyproject.toml next to the package is no checkout
+        (installed_wheel.parent / "pyproject.toml").write_text(pyproject)
+    assert modal_executor.source_checkout_root() is None
+    assert _image_ops(fake_modal)[1:] == [("pip_install", ("diloco-serverless[s3,gcs]==0.1.0",))]
+    ops = _image_ops(fake_modal, local_source=True, extras=("s3",))  # forced: the installed metadata
+    assert ops[2] == ("add_local_python_source", ("diloco_serverless",)) and "s3fs>=2024.6" in ops[1][1]
+    with pytest.raises(ExecutorUnavailable, match="local_source must be true, false or auto"):
+        ModalExecutor(local_source="yes")
 
 
 def test_bad_configuration_fails_in_init(

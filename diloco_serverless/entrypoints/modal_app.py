@@ -13,7 +13,8 @@ deploy-time settings below are only defaults. Read at deploy time from the envir
     DILOCO_MODAL_TIMEOUT_S  per-attempt timeout in seconds (default 86400)
     DILOCO_MODAL_RETRIES    retries after failure/preemption (default 3)
     DILOCO_MODAL_PACKAGE    pip requirement for the image (default this package at this version)
-    DILOCO_MODAL_LOCAL_SOURCE=1  ship the local source instead (unreleased versions)
+    DILOCO_MODAL_LOCAL_SOURCE  1 = ship the local source, 0 = pip-install; unset = ship it when
+                            deploying from a source checkout (see executors.modal.ships_local_source)
 
 Failure: a replica that exits non-zero makes the call fail with its exit code and output tail;
 Modal retries it per DILOCO_MODAL_RETRIES.
@@ -41,7 +42,7 @@ app, run_replica = build_app(
     image=default_image(
         modal,
         package=os.environ.get("DILOCO_MODAL_PACKAGE") or None,
-        local_source=os.environ.get("DILOCO_MODAL_LOCAL_SOURCE", "") == "1",
+        local_source={"1": True, "0": False}.get(os.environ.get("DILOCO_MODAL_LOCAL_SOURCE", "").strip()),
     ),
     gpu=normalize_gpu(os.environ.get("DILOCO_MODAL_GPU", "A100")),
     secrets=[s.strip() for s in os.environ.get("DILOCO_MODAL_SECRETS", "").split(",") if s.strip()],

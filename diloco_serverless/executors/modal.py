@@ -9,11 +9,14 @@ can poll (``FunctionCall.get(timeout=0)``), cancel or read logs later.
 Alternatively deploy the App once (``modal deploy -m diloco_serverless.entrypoints.modal_app``) and
 pass ``deployed_app="diloco-serverless"``: launches then use ``Function.from_name``.
 
-Image: ``debian_slim`` (this Python version) with ``diloco-serverless[<extras>]==<this version>``
-pip-installed, or with this package's requirements plus the local source (``local_source=True``,
-for unreleased versions), or any ``image`` you pass. Storage credentials reach the containers only
-through Modal Secrets that you create and name in ``secrets`` (``modal secret create ...``):
-credential-looking variables in ``env`` are dropped with a warning instead of being sent.
+Image: ``debian_slim`` (this Python version) with this package's requirements plus the local
+source when it runs from a source checkout (``local_source=None``, the default, detects this:
+the package's parent folder holds a pyproject.toml naming diloco-serverless), else with
+``diloco-serverless[<extras>]==<this version>`` pip-installed; ``local_source=True``/``False``
+forces either, ``package=`` names another pip requirement, or pass any ``image``. Storage
+credentials reach the containers only through Modal Secrets that you create and name in
+``secrets`` (``modal secret create ...``): credential-looking variables in ``env`` are dropped
+with a warning instead of being sent.
 
 Failure mapping: a replica exiting non-zero raises ReplicaProcessError remotely; Modal retries it
 (``modal.Retries``, also after preemption) and reports ``failed`` once retries are exhausted, with
@@ -90,26 +93,93 @@ def normalize_gpu(gpu: str | None) -> str | None:
     return f"{canonical}:{count}" if sep else canonical
 
 
+#: The folder of the imported ``diloco_serverless`` package (tests point it elsewhere).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+DIST_NAME = "diloco-serverless"
+
+
+def source_checkout_root(package_dir: Path | None = None) -> Path | None:
+    """The checkout holding ``package_dir`` (default :data:`PACKAGE_DIR`), or None.
+
+    A checkout is a parent folder with a ``pyproject.toml`` whose ``[project] name`` is
+    diloco-serverless (an editable install or ``PYTHONPATH=.``); a wheel in site-packages has
+    none. An unreadable or malformed pyproject.toml counts as "not a checkout".
+    """
+    from diloco_serverless.config import tomllib
+
+    root = Path(package_dir or PACKAGE_DIR).parent
+    try:
+        with (root / "pyproject.toml").open("rb") as fh:
+            name = tomllib.load(fh).get("project", {}).get("name", "")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return root if isinstance(name, str) and re.sub(r"[-_.]+", "-", name).lower() == DIST_NAME else None
+
+
+def _requirement_texts() -> list[str]:
+    """Requirement strings of the source that goes into the image: the checkout's pyproject.toml
+    when running from one (an editable install's metadata can be older), else the installed
+    distribution's metadata. ExecutorUnavailable if neither is there."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from diloco_serverless.config import tomllib
+
+    root = source_checkout_root()
+    if root is not None:
+        project = tomllib.loads((root / "pyproject.toml").read_text("utf-8")).get("project", {})
+        if "dependencies" in project:  # else declared dynamic: the metadata has them
+            extra = [_with_extra_marker(r, e) for e, reqs in project.get("optional-dependencies", {}).items()
+                     for r in reqs]
+            return [*project["dependencies"], *extra]
+    try:
+        return list(requires(DIST_NAME) or [])
+    except PackageNotFoundError:
+        raise ExecutorUnavailable(
+            f"modal executor: cannot find the requirements of {DIST_NAME} (not installed, no pyproject.toml "
+            "next to the package); run pip install -e . in your checkout") from None
+
+
+def _with_extra_marker(requirement: str, extra: str) -> str:
+    """``"x>=1; python_version<'3.11'"`` -> ``"x>=1; (python_version<'3.11') and extra == 'dev'"``."""
+    req, _, marker = requirement.partition(";")
+    marker = f"({marker.strip()}) and " if marker.strip() else ""
+    return f"{req.strip()}; {marker}extra == '{extra}'"
+
+
 def package_requirements(extras: Sequence[str]) -> list[str]:
     """This distribution's requirements with ``extras`` (for images built from local source)."""
-    from importlib.metadata import requires
-
     from packaging.requirements import Requirement
 
     out = []
-    for text in requires("diloco-serverless") or []:
+    for text in _requirement_texts():
         req = Requirement(text)
-        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras):
-            out.append(f"{req.name}{req.specifier}")
+        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (*extras, "")):
+            req.marker = None
+            out.append(str(req))  # keeps extras such as moto[server]
     return out
 
 
+def ships_local_source(local_source: bool | None, package: str | None = None) -> bool:
+    """Resolve ``local_source``: True/False as given; None ("auto") = ship the local source when
+    no ``package`` is named and this package runs from a source checkout (its version is
+    likely not on PyPI), else pip-install."""
+    if local_source is not None:
+        return bool(local_source)
+    root = None if package else source_checkout_root()
+    if root is not None:
+        logger.info("modal executor: %s runs from the source checkout %s; shipping its source to the "
+                    "image (local_source=False pip-installs %s==%s instead)", DIST_NAME, root, DIST_NAME,
+                    __version__)
+    return root is not None
+
+
 def default_image(modal: Any, *, extras: Sequence[str] = ("s3", "gcs"), package: str | None = None,
-                  local_source: bool = False, python_version: str | None = None) -> Any:
-    """``Image.debian_slim`` with this package (same version + extras) or its local source."""
+                  local_source: bool | None = None, python_version: str | None = None) -> Any:
+    """``Image.debian_slim`` with this package's local source or this package (same version +
+    extras) pip-installed; ``local_source=None`` picks per :func:`ships_local_source`."""
     py = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
     image = modal.Image.debian_slim(python_version=py)
-    if local_source:
+    if ships_local_source(local_source, package):
         return image.pip_install(*package_requirements(extras)).add_local_python_source("diloco_serverless")
     spec = package or f"diloco-serverless[{','.join(extras)}]=={__version__}"
     return image.pip_install(spec)
@@ -154,7 +224,9 @@ class ModalExecutor:
         retries: re-runs after a failure or preemption (``modal.Retries``, at most 10).
         app_name: name of the ephemeral App (default ``diloco-<run id>``).
         deployed_app: launch against this deployed App's ``run_replica`` instead of building one.
-        extras / package / local_source / python_version: see :func:`default_image`.
+        extras / package / python_version: see :func:`default_image`.
+        local_source: ship this checkout's source (True), pip-install ``diloco-serverless==<version>``
+            (False), or None/"auto" (default): ship it when running from a source checkout.
         environment_name: Modal environment (default: the profile's).
         poll_interval_s: how often ``collect`` polls.
 
@@ -176,7 +248,7 @@ class ModalExecutor:
         deployed_app: str | None = None,
         extras: Sequence[str] = ("s3", "gcs"),
         package: str | None = None,
-        local_source: bool = False,
+        local_source: bool | str | None = None,
         python_version: str | None = None,
         environment_name: str | None = None,
         poll_interval_s: float = 10.0,
@@ -194,6 +266,10 @@ class ModalExecutor:
             raise ExecutorUnavailable(f"modal executor: retries must be in 0..{MAX_RETRIES}, got {retries}")
         if isinstance(secrets, str):
             secrets = [secrets]
+        if isinstance(local_source, str) and local_source.strip().lower() == "auto":
+            local_source = None  # -x local_source=auto
+        if local_source is not None and not isinstance(local_source, bool):
+            raise ExecutorUnavailable(f"modal executor: local_source must be true, false or auto, got {local_source!r}")
         self.image, self.secrets, self.timeout_s, self.retries = image, list(secrets), int(timeout_s), retries
         self.app_name, self.deployed_app, self.environment_name = app_name, deployed_app, environment_name
         self._image_options = {"extras": tuple(extras), "package": package, "local_source": local_source,
