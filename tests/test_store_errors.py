@@ -73,6 +73,17 @@ def test_transient_errors_are_retried_then_succeed(flaky: tuple[ObjectStore, Fla
     assert fs.calls["cat_file"] == 2
 
 
+def test_list_dirs_retries_transient_errors_and_names_the_prefix(flaky: tuple[ObjectStore, FlakyFS]) -> None:
+    store, fs = flaky
+    store.put("run-a/run.json", b"{}")
+    fs.fail["ls"] = [ConnectionResetError("reset")]
+    assert store.list_dirs() == ["run-a"] and fs.calls["ls"] == 2
+    fs.fail["ls"] = [PermissionError("AccessDenied")]
+    with pytest.raises(StoreAccessDenied, match="run-a"):
+        store.list_dirs("run-a")
+    assert fs.calls["ls"] == 3  # not retried
+
+
 def test_non_transient_errors_are_not_retried(flaky: tuple[ObjectStore, FlakyFS]) -> None:
     store, fs = flaky
     fs.fail["pipe_file"] = [PermissionError("AccessDenied")]
@@ -198,8 +209,8 @@ def _s3_options(port: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("op", [lambda s: s.get("k"), lambda s: s.put_if_absent("k", b"x"),
-                                lambda s: s.list(), lambda s: s.get_many(["k", "j"])],
-                         ids=["get", "put_if_absent", "list", "get_many"])
+                                lambda s: s.list(), lambda s: s.list_dirs(), lambda s: s.get_many(["k", "j"])],
+                         ids=["get", "put_if_absent", "list", "list_dirs", "get_many"])
 def test_s3_closed_port_is_unavailable(op: Callable[[ObjectStore], Any]) -> None:
     store = ObjectStore("s3://bucket/run", _s3_options(_closed_port()), retry=QUICK)
     with pytest.raises(StoreUnavailable, match="s3://bucket/run"):
