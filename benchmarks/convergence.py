@@ -3,7 +3,7 @@
 Run (from the repo root, venv active):
 
     python benchmarks/convergence.py --quick     # T=250 inner steps, H=50 (< 5 min on 2 idle cores)
-    python benchmarks/convergence.py             # T=1500 inner steps (about half an hour on 2 cores)
+    python benchmarks/convergence.py             # T=1000 inner steps, H=50 (about 15-30 min on 2 cores)
 
 Prints two tables and writes benchmarks/results/convergence.json.
 
@@ -76,8 +76,8 @@ class Setup:
                 "exchange.round_timeout_s=1200", "exchange.keep_rounds=2"]
 
 
-QUICK = Setup(steps=250, sync_every=50, batch=4, seq_len=64, eval_batches=12, util_rounds=2, util_delay=25)
-FULL = Setup(steps=1500, sync_every=50, batch=4, seq_len=128, eval_batches=32, util_rounds=4, util_delay=25)
+QUICK = Setup(steps=250, sync_every=50, batch=4, seq_len=96, eval_batches=12, util_rounds=2, util_delay=25)
+FULL = Setup(steps=1000, sync_every=50, batch=4, seq_len=96, eval_batches=24, util_rounds=3, util_delay=25)
 
 
 def _config(setup: Setup, extra: list[str]) -> RunConfig:

@@ -179,12 +179,12 @@ class ReplicaTrainer:
     def run(self) -> TrainResult:
         """Heal, train until the run's last round, write the final model. See the module docstring."""
         self._heartbeat("healing")
-        self.heal()  # raises CheckpointMismatch before any training if the checkpoint does not fit
-        if final_exists(self.store):
-            logger.info("rank %d: run %s already finished (final/DONE.json exists)", self.rank, self.cfg.run_id)
-            self.manager.shutdown()
-            return TrainResult(self.rank, self.manager.current_step(), 0, self.replayed, False, self.last_eval)
         try:
+            self.heal()  # raises CheckpointMismatch before any training if the checkpoint does not fit
+            if final_exists(self.store):
+                logger.info("rank %d: run %s already finished (final/DONE.json exists)", self.rank, self.cfg.run_id)
+                self.manager.shutdown()
+                return TrainResult(self.rank, self.manager.current_step(), 0, self.replayed, False, self.last_eval)
             with self.rep:
                 while self.manager.current_step() < self.total_rounds:
                     self._one_round()
