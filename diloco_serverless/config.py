@@ -39,6 +39,7 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "DataConfig",
+    "MIN_RESPONSE_TOKENS",
     "InnerConfig",
     "OuterConfig",
     "LossConfig",
@@ -90,6 +91,11 @@ class ModelConfig(_Section):
         return v
 
 
+MIN_RESPONSE_TOKENS = 8
+"""Least ``data.seq_len - data.prompt_len``: the stdlib builder needs >= 2 response tokens (two pieces
+to shuffle into the rejected answer); 8 keeps the examples meaningful."""
+
+
 class DataConfig(_Section):
     """Training data and batching (``diloco_serverless.data``)."""
 
@@ -101,7 +107,7 @@ class DataConfig(_Section):
     seq_len: int = Field(128, ge=16, le=32768, description="Tokens per student sequence (prompt + response).")
     batch_size: int = Field(8, ge=1, description="Sequences per inner step per replica.")
     prompt_len: int = Field(
-        32, ge=1, description="stdlib corpus: max tokens of preceding code used as the prompt (must be < seq_len)."
+        32, ge=1, description="stdlib corpus: max tokens of preceding code used as the prompt (<= seq_len - 8)."
     )
     hint_len: int = Field(
         64, ge=0, description="Max tokens of the hint (file path + module docstring) the self-distillation teacher sees."
@@ -112,11 +118,15 @@ class DataConfig(_Section):
     eval_batches: int = Field(4, ge=1, description="Batches of the held-out split per evaluation.")
 
     @model_validator(mode="after")
-    def _prompt_shorter_than_seq(self) -> DataConfig:
-        if self.prompt_len >= self.seq_len:
+    def _room_for_a_response(self) -> DataConfig:
+        """The stdlib response budget is ``seq_len - prompt_len`` tokens; below
+        ``MIN_RESPONSE_TOKENS`` the examples would be a few tokens (or impossible: < 2)."""
+        if self.seq_len - self.prompt_len < MIN_RESPONSE_TOKENS:
             raise ValueError(
-                f"data.prompt_len ({self.prompt_len}) must be smaller than data.seq_len ({self.seq_len}); "
-                "lower prompt_len or raise seq_len"
+                f"data.prompt_len ({self.prompt_len}) must be smaller than data.seq_len ({self.seq_len}) by at "
+                f"least {MIN_RESPONSE_TOKENS} tokens (the response budget seq_len - prompt_len is "
+                f"{self.seq_len - self.prompt_len}); set data.prompt_len <= {self.seq_len - MIN_RESPONSE_TOKENS} "
+                f"or data.seq_len >= {self.prompt_len + MIN_RESPONSE_TOKENS}"
             )
         return self
 

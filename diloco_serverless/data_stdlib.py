@@ -5,13 +5,19 @@ Files under ``sysconfig.get_paths()["stdlib"]`` (test suites and site-packages e
 train files are dealt to ranks round-robin in hash order, so shards are disjoint and the split is
 the same on every machine running the same Python version.
 
-One example is a chunk of whole lines of a file (the response) after up to ``prompt_len`` tokens of
-the lines before it (the prompt). The self-distillation teacher additionally reads a hint, the
-file's path and module docstring, before the prompt. The preference pair is the true chunk
-(chosen) against the same lines in a shuffled order (rejected). Example ``i`` of rank ``r`` depends
+One example is a chunk of whole lines of a file (the response, at most ``seq_len - prompt_len``
+tokens) after up to ``prompt_len`` tokens of the lines before it (the prompt). When
+``WHOLE_LINE_TRIES`` random positions give no two distinct whole lines that fit (long lines, a
+small budget) the response is the budget's tokens from a random line on, cut into pieces inside
+lines, so any ``seq_len - prompt_len >= 2`` works (``DataConfig`` requires ``MIN_RESPONSE_TOKENS``).
+The self-distillation teacher additionally reads a hint, the file's path and module docstring,
+before the prompt. The preference pair is the true chunk (chosen) against the same lines (or
+pieces) in a shuffled order (rejected). Example ``i`` of rank ``r`` depends
 only on ``(seed, r, i)``, so a data position is just an integer.
 
-Failure: an empty shard raises :class:`DataError` naming the rank and the file counts.
+Failure: an empty shard raises :class:`DataError` naming the rank and the file counts; a corpus
+where no random position gives two distinct pieces (files that repeat one line) names the split,
+rank and budget.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ __all__ = ["StdlibSource", "stdlib_root", "list_corpus_files", "split_train_eval
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 MIN_FILE_BYTES = 1024
 MAX_FILE_BYTES = 256 * 1024
+WHOLE_LINE_TRIES = 64
 
 
 def stdlib_root() -> Path:
@@ -172,16 +179,18 @@ class StdlibSource:
         return self._sample("eval", self.eval_files, example_rng(self.seed, "stdlib-eval", index))
 
     def _sample(self, split: str, files: list[str], rng: Random) -> Example:
+        """``WHOLE_LINE_TRIES`` random positions cut at line ends, then as many cut into pieces: a
+        stream the whole-line chunker produced stays the same; small budgets still get examples."""
         cumulative = self._weights[split]
-        for _ in range(64):
+        for attempt in range(2 * WHOLE_LINE_TRIES):
             pick = bisect.bisect_right(cumulative, rng.randrange(cumulative[-1]))
-            example = self._chunk(self._load(files[pick]), rng)
+            example = self._chunk(self._load(files[pick]), rng, pieces=attempt >= WHOLE_LINE_TRIES)
             if example is not None:
                 return example
         raise DataError(
-            f"stdlib corpus: no chunk of >= 2 distinct lines fits data.seq_len={self.data.seq_len} - "
-            f"prompt_len={self.data.prompt_len} tokens in 64 tries ({split} split, rank {self.rank}); "
-            "raise data.seq_len"
+            f"stdlib corpus {self.root}: {2 * WHOLE_LINE_TRIES} random positions in the {split} files of rank "
+            f"{self.rank} gave no response of >= 2 distinct pieces within data.seq_len - data.prompt_len = "
+            f"{self.data.seq_len - self.data.prompt_len} tokens (the files repeat one line); use another corpus"
         )
 
     def _load(self, rel: str) -> _Doc:
@@ -202,17 +211,14 @@ class StdlibSource:
             self._cache.popitem(last=False)
         return doc
 
-    def _chunk(self, doc: _Doc, rng: Random) -> Example | None:
+    def _chunk(self, doc: _Doc, rng: Random, *, pieces: bool) -> Example | None:
+        """Example at a random line of ``doc`` whose response fits ``seq_len - prompt_len`` tokens:
+        whole lines, or with ``pieces`` the budget's tokens cut into pieces (:func:`_line_pieces`).
+        None when fewer than two distinct units fit there (the caller tries another position)."""
         budget = self.data.seq_len - self.data.prompt_len
         start = rng.randrange(len(doc.lines))
-        end, used = start, 0
-        while end < len(doc.lines) and used + len(doc.lines[end]) <= budget:
-            used += len(doc.lines[end])
-            end += 1
-        lines = doc.lines[start:end]
-        if len(lines) < 2:
-            return None
-        rejected = shuffle_lines(lines, rng)
+        units = _line_pieces(doc.lines, start, budget) if pieces else _whole_lines(doc.lines, start, budget)
+        rejected = shuffle_lines(units, rng) if len(units) >= 2 else None
         if rejected is None:
             return None
         prompt: list[int] = []
@@ -221,5 +227,31 @@ class StdlibSource:
             if len(prompt) >= self.data.prompt_len:
                 break
         prompt = prompt[-self.data.prompt_len :] if prompt else []
-        response = [t for line in lines for t in line]
+        response = [t for unit in units for t in unit]
         return Example(prompt, response, doc.hint + prompt, rejected, [], f"{self.root.name}/{doc.path}:{start + 1}")
+
+
+def _whole_lines(lines: list[list[int]], start: int, budget: int) -> list[list[int]]:
+    """The longest run of whole lines from ``start`` with at most ``budget`` tokens in all."""
+    end, used = start, 0
+    while end < len(lines) and used + len(lines[end]) <= budget:
+        used += len(lines[end])
+        end += 1
+    return lines[start:end]
+
+
+def _line_pieces(lines: list[list[int]], start: int, budget: int) -> list[list[int]]:
+    """The first ``budget`` tokens from line ``start`` on (the last line cut where the budget ends),
+    split at line ends and into pieces of at most ``max(1, budget // 2)`` tokens. With ``budget >= 2``
+    (``DataConfig`` guarantees more) and at least ``budget`` tokens left in the file this is >= 2
+    pieces, so a shuffled "rejected" order exists unless every piece is the same token string."""
+    piece = max(1, budget // 2)
+    units: list[list[int]] = []
+    used = 0
+    for line in lines[start:]:
+        take = line[: budget - used]
+        units.extend(take[i : i + piece] for i in range(0, len(take), piece))
+        used += len(take)
+        if used >= budget:
+            break
+    return units

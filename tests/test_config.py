@@ -75,6 +75,7 @@ def test_bad_override_keys(override: str, expected: str) -> None:
         (["inner.sync_every=10", "exchange.fragments=3"], "inner.sync_every (10)", "multiple of exchange.fragments"),
         (["exchange.fragment_sync_delay=16"], "fragment_sync_delay (16)", "smaller than"),
         (["data.prompt_len=128"], "data.prompt_len (128)", "smaller than data.seq_len"),
+        (["data.seq_len=64", "data.prompt_len=60"], "data.prompt_len (60)", "prompt_len <= 56 or data.seq_len >= 68"),
         (["data.seq_len=abc"], "data.seq_len", "valid integer"),
         (["inner.lr=-1"], "inner.lr", "greater than 0"),
         (["loss.jsd_beta=2"], "loss.jsd_beta", "less than or equal to 1"),

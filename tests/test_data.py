@@ -79,6 +79,45 @@ def test_empty_shard_names_rank_and_counts(tmp_path: Path, tiny: tuple[Any, Any]
         StdlibSource(tiny[1], DataConfig(), rank=5, world_size=4, seed=0, root=tmp_path)
 
 
+def test_small_response_budget_builds_every_rank(tiny: tuple[Any, Any]) -> None:
+    """seq_len=64, prompt_len=32 leaves 32 tokens: few pairs of whole stdlib lines fit, and the old
+    whole-lines-only chunker gave up ("no chunk fits in 64 tries", e.g. rank 1, example 85)."""
+    cfg = _cfg("data.seq_len=64", "data.prompt_len=32", "replicas=4", "loss.dpo_variant=simpo")
+    for rank in range(cfg.replicas):
+        builder = _builder(tiny, cfg, rank=rank)
+        for _ in range(32):
+            batch = builder.next_batch()
+            n_resp = batch["response_mask"].sum(1)
+            assert bool(((n_resp >= 2) & (n_resp <= 32)).all())  # the whole response, never truncated
+            assert torch.equal(n_resp, batch["dpo_rejected_response_mask"].sum(1))
+            assert torch.equal(n_resp, batch["ctx_teacher_response_mask"].sum(1))
+        assert len(list(builder.eval_batches(4))) == 4
+
+
+@pytest.mark.parametrize(("seq_len", "prompt_len"), [(64, 32), (16, 14)])
+def test_lines_longer_than_the_budget_are_cut_into_pieces(tmp_path: Path, seq_len: int, prompt_len: int) -> None:
+    """Every line is longer than seq_len - prompt_len: the response is cut inside lines, the
+    rejected answer is the same tokens in another order. (16, 14) leaves 2 tokens, the least the
+    builder works with; RunConfig refuses it (MIN_RESPONSE_TOKENS), so it is built with model_construct."""
+
+    class Bytes:
+        def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+            return {"input_ids": list(text.encode("utf-8"))}
+
+    for i in range(3):
+        body = "".join(f"value_{i}_{j:04d} = compute_something_long({j}, {j * 7})\n" for j in range(60))
+        (tmp_path / f"m{i}.py").write_text(body)
+    data = DataConfig.model_construct(**{**DataConfig().model_dump(), "seq_len": seq_len, "prompt_len": prompt_len})
+    budget = seq_len - prompt_len
+    src = StdlibSource(Bytes(), data, rank=0, world_size=1, seed=0, root=tmp_path)
+    assert src._byte_level
+    for i in range(50):
+        ex = src.train_example(i)
+        assert 2 <= len(ex.response) <= budget and len(ex.prompt) <= prompt_len
+        assert ex.rejected != ex.response and sorted(ex.rejected) == sorted(ex.response)
+    assert 2 <= len(src.eval_example(0).response) <= budget
+
+
 def test_stdlib_batch_has_all_three_channels(tiny: tuple[Any, Any]) -> None:
     model, tok = tiny
     cfg = _cfg()
