@@ -269,7 +269,8 @@ def print_tables(res: dict[str, Any]) -> None:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="T=250, W=100 (about 9 min on the loaded 2-core dev machine; --tables warm halves it)")
+    parser.add_argument("--quick", action="store_true",
+                        help="T=250, W=100 (about 9 min on the loaded 2-core dev machine; --tables warm halves it)")
     parser.add_argument("--warm-start-steps", type=int, default=None, metavar="W",
                         help="sync-DP steps before the warm table (default: 100 quick, 500 full)")
     parser.add_argument("--tables", default="cold,warm", help="which starts to run: cold, warm or cold,warm")
