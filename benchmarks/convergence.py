@@ -94,8 +94,10 @@ class Setup:
                 "exchange.round_timeout_s=1200", "exchange.keep_rounds=2", *self.extra]
 
 
-QUICK = Setup(steps=250, sync_every=50, batch=4, seq_len=96, eval_batches=12, util_rounds=2, util_delay=25, warm_steps=100)
-FULL = Setup(steps=1000, sync_every=50, batch=4, seq_len=96, eval_batches=24, util_rounds=3, util_delay=25, warm_steps=500)
+QUICK = Setup(steps=250, sync_every=50, batch=4, seq_len=96, eval_batches=12, util_rounds=2, util_delay=25,
+              warm_steps=100)
+FULL = Setup(steps=1000, sync_every=50, batch=4, seq_len=96, eval_batches=24, util_rounds=3, util_delay=25,
+             warm_steps=500)
 
 
 def _config(setup: Setup, extra: list[str]) -> RunConfig:
@@ -248,7 +250,8 @@ def print_tables(res: dict[str, Any]) -> None:
         start = ("random init (seed 0)" if name == "cold" else
                  f"after W={s['warm_steps']} sync-DP steps (eval loss {res['warm_start']['eval_loss']:.4f})")
         print(f"\nConvergence [{name} start: {start}]: tiny Qwen2 ({res['params']:,} params), N={N}, "
-              f"T={s['steps']} inner steps, global batch {N * s['batch']}x{s['seq_len']} tokens/step, H={s['sync_every']}")
+              f"T={s['steps']} inner steps, global batch {N * s['batch']}x{s['seq_len']} tokens/step, "
+              f"H={s['sync_every']}")
         print(f"{'config':<34}{'eval loss':>10}{'vs (a)':>9}{'exchanges':>11}{'bytes moved':>14}{'wall s':>9}")
         base = table["a_sync_dp"]["eval_loss"] if "a_sync_dp" in table else None
         for key, label in LABELS.values():
