@@ -17,41 +17,23 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from diloco_serverless.layout import (  # re-exported for the exchange modules
+    ROUNDS_PREFIX as ROUNDS,
+    contrib_key,
+    quorum_key,
+    ready_key,
+    ready_prefix,
+    reduced_prefix,
+    reduced_key,
+    round_prefix,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     from diloco_serverless.store import ObjectStore
 
-ROUNDS = "rounds"
 FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per empty poll up to poll_interval_s
 _RANK_RE = re.compile(r"rank-(\d+)$")
 _SHARD_RE = re.compile(r"/(\d{4,})$")
-
-
-def round_prefix(round: int) -> str:
-    return f"{ROUNDS}/{round:08d}"
-
-
-def ready_prefix(round: int) -> str:
-    return f"{round_prefix(round)}/ready"
-
-
-def ready_key(round: int, rank: int) -> str:
-    return f"{ready_prefix(round)}/rank-{rank}"
-
-
-def quorum_key(round: int) -> str:
-    return f"{round_prefix(round)}/quorum.json"
-
-
-def contrib_key(round: int, shard: int, rank: int) -> str:
-    return f"{round_prefix(round)}/contrib/{shard:04d}/rank-{rank}"
-
-
-def reduced_prefix(round: int) -> str:
-    return f"{round_prefix(round)}/reduced"
-
-
-def reduced_key(round: int, shard: int) -> str:
-    return f"{reduced_prefix(round)}/{shard:04d}"
 
 
 def ranks_in(keys: Sequence[str]) -> set[int]:

@@ -35,6 +35,30 @@ from pathlib import Path
 from typing import Any
 
 from diloco_serverless.config import ConfigError, RunConfig, find_secret
+from diloco_serverless.layout import (  # re-exported: the run layout is part of this module's API
+    RUN_JSON,
+    RUN_VERSION,
+    MEMBERS_PREFIX,
+    ROUNDS_PREFIX,
+    CHECKPOINTS_PREFIX,
+    LATEST_CHECKPOINT_KEY,
+    METRICS_PREFIX,
+    LOGS_PREFIX,
+    FINAL_PREFIX,
+    fmt_round,
+    fmt_shard,
+    round_prefix,
+    ready_prefix,
+    ready_key,
+    quorum_key,
+    contrib_key,
+    reduced_key,
+    checkpoint_prefix,
+    member_key,
+    metrics_prefix,
+    metrics_key,
+    log_key,
+)
 from diloco_serverless.store import ObjectNotFound, ObjectStore
 
 __all__ = [
@@ -80,15 +104,6 @@ __all__ = [
     "list_runs",
 ]
 
-RUN_JSON = "run.json"
-RUN_VERSION = 1
-MEMBERS_PREFIX = "members"
-ROUNDS_PREFIX = "rounds"
-CHECKPOINTS_PREFIX = "checkpoints"
-LATEST_CHECKPOINT_KEY = "checkpoints/latest.json"
-METRICS_PREFIX = "metrics"
-LOGS_PREFIX = "logs"
-FINAL_PREFIX = "final"
 
 HEARTBEAT_STATES = ("starting", "healing", "training", "syncing", "evaluating", "checkpointing", "done", "failed")
 
@@ -107,84 +122,6 @@ class RunExists(RunError, FileExistsError):
 
 class InvalidRun(RunError, ValueError):
     """run.json exists but is not JSON, misses fields, or its config does not validate."""
-
-
-# --------------------------------------------------------------------------------- key builders
-def _check_index(name: str, value: int, digits: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= 10**digits:
-        raise ValueError(f"{name} must be an int in [0, {10**digits}), got {value!r}")
-
-
-def fmt_round(round: int) -> str:
-    """``3`` -> ``"00000003"`` (rounds are 0-based, zero-padded to 8 digits)."""
-    _check_index("round", round, 8)
-    return f"{round:08d}"
-
-
-def fmt_shard(shard: int) -> str:
-    """``3`` -> ``"0003"`` (shards zero-padded to 4 digits)."""
-    _check_index("shard", shard, 4)
-    return f"{shard:04d}"
-
-
-def _rank(rank: int) -> str:
-    _check_index("rank", rank, 6)
-    return f"rank-{rank}"
-
-
-def round_prefix(round: int) -> str:
-    """``rounds/<round:08d>``."""
-    return f"{ROUNDS_PREFIX}/{fmt_round(round)}"
-
-
-def ready_prefix(round: int) -> str:
-    """``rounds/<round>/ready`` (list it to see who is ready)."""
-    return f"{round_prefix(round)}/ready"
-
-
-def ready_key(round: int, rank: int) -> str:
-    """``rounds/<round>/ready/rank-<r>``."""
-    return f"{ready_prefix(round)}/{_rank(rank)}"
-
-
-def quorum_key(round: int) -> str:
-    """``rounds/<round>/quorum.json`` (create-only)."""
-    return f"{round_prefix(round)}/quorum.json"
-
-
-def contrib_key(round: int, shard: int, rank: int) -> str:
-    """``rounds/<round>/contrib/<shard:04d>/rank-<r>``."""
-    return f"{round_prefix(round)}/contrib/{fmt_shard(shard)}/{_rank(rank)}"
-
-
-def reduced_key(round: int, shard: int) -> str:
-    """``rounds/<round>/reduced/<shard:04d>`` (create-only)."""
-    return f"{round_prefix(round)}/reduced/{fmt_shard(shard)}"
-
-
-def checkpoint_prefix(round: int) -> str:
-    """``checkpoints/<round:08d>``: a global checkpoint taken after ``round``."""
-    return f"{CHECKPOINTS_PREFIX}/{fmt_round(round)}"
-
-
-def member_key(rank: int) -> str:
-    """``members/rank-<r>.json``: rank r's heartbeat."""
-    return f"{MEMBERS_PREFIX}/{_rank(rank)}.json"
-
-
-def metrics_prefix(rank: int) -> str:
-    """``metrics/rank-<r>``."""
-    return f"{METRICS_PREFIX}/{_rank(rank)}"
-
-
-def metrics_key(rank: int, round: int) -> str:
-    """``metrics/rank-<r>/<round:08d>.json``."""
-    return f"{metrics_prefix(rank)}/{fmt_round(round)}.json"
-
-
-def log_key(rank: int) -> str:
-    """``logs/rank-<r>.log`` (local executor, file stores)."""
-    return f"{LOGS_PREFIX}/{_rank(rank)}.log"
 
 
 def split_run_url(run_url: str) -> tuple[str, str]:
