@@ -145,8 +145,8 @@ def proc_io() -> tuple[int, int]:
 
 def naive_allreduce(store: Any, rank: int, n: int, prefix: str, x: torch.Tensor, codec: str) -> torch.Tensor:
     """The seed's exchange: PUT the whole tensor, GET all N, average in rank order (fp32)."""
-    from diloco_serverless.codec import decode_values, encode_values, pack, unpack
-    from diloco_serverless.exchange_io import CountingStore
+    from diloco_serverless.exchange.codec import decode_values, encode_values, pack, unpack
+    from diloco_serverless.exchange._io import CountingStore
 
     fetch = CountingStore(store)  # same concurrent single-GET fetcher as the sharded exchange
 
@@ -175,8 +175,8 @@ def naive_allreduce(store: Any, rank: int, n: int, prefix: str, x: torch.Tensor,
 
 def replica_main(rank: int, n: int, url: str, options: dict[str, Any], cases: list[Case], barrier: Any, queue: Any) -> None:
     """One replica process: runs every case in lockstep with the others (barriers)."""
-    from diloco_serverless.allreduce import ObjectStoreAllReduce
-    from diloco_serverless.store import ObjectStore
+    from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+    from diloco_serverless.store.objectstore import ObjectStore
 
     torch.set_num_threads(1)
     opts = {**options, "config_kwargs": {"user_agent_extra": f"bench-rank-{rank}"}} if url.startswith("s3") else dict(options)
@@ -211,7 +211,7 @@ def replica_main(rank: int, n: int, url: str, options: dict[str, Any], cases: li
 def run_group(backend: str, n: int, cases: list[Case], url: str, options: dict[str, Any], counter: CountingWSGI | None,
               cleanup: Any) -> list[dict[str, Any]]:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "s3fs", "diloco_serverless.allreduce", "diloco_serverless.store"])
+    ctx.set_forkserver_preload(["torch", "s3fs", "diloco_serverless.exchange.allreduce", "diloco_serverless.store"])
     barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
     procs = [ctx.Process(target=replica_main, args=(r, n, url, options, cases, barrier, queue)) for r in range(n)]
     for p in procs:

@@ -62,14 +62,15 @@ import torch
 
 from safetensors.torch import save as st_save
 
-from diloco_serverless.checkpoint import FORMAT, INITIAL_KEY
+from diloco_serverless.trainer.checkpoint import FORMAT, INITIAL_KEY
 from diloco_serverless.config import RunConfig
-from diloco_serverless.data import BatchBuilder
+from diloco_serverless.data.builder import BatchBuilder
 from diloco_serverless.loss import compose_loss
-from diloco_serverless.model import build_model, count_parameters
-from diloco_serverless.run import create_run, read_metrics
-from diloco_serverless.store import ObjectStore
-from diloco_serverless.train import ReplicaTrainer
+from diloco_serverless.trainer.model import build_model, count_parameters
+from diloco_serverless.run.record import create_run
+from diloco_serverless.run.members import read_metrics
+from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.trainer.loop import ReplicaTrainer
 
 N = 4
 RESULTS = Path(__file__).parent / "results" / "convergence.json"
@@ -180,7 +181,7 @@ def run_diloco(setup: Setup, sync_every: int, rounds: int, extra: list[str], roo
     """N replicas of the real replica code in threads over a file:// store; returns eval, bytes, timings.
 
     A warm ``start`` is written as the run's ``checkpoints/initial.safetensors`` before the replicas
-    are built, so :func:`diloco_serverless.checkpoint.sync_initial_parameters` loads it on every rank.
+    are built, so :func:`diloco_serverless.trainer.checkpoint.sync_initial_parameters` loads it on every rank.
     """
     cfg = _config(setup, [f"run_id={name}", f"rounds={rounds}", f"inner.sync_every={sync_every}", *extra])
     store, _ = create_run(f"file://{root}", cfg)

@@ -28,7 +28,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from diloco_serverless.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,10 +62,6 @@ __all__ = [
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
-class ConfigError(ValueError):
-    """A config file, override or value is invalid; the message names the field and the fix."""
-
-
 def generate_run_id() -> str:
     """A fresh, sortable run id such as ``run-20261129-214455-ab12`` (UTC time + 4 random hex)."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -68,7 +73,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """Which model to train (``diloco_serverless.model.build_model``)."""
+    """Which model to train (``diloco_serverless.trainer.model.build_model``)."""
 
     name: str = Field(
         "tiny",
@@ -220,6 +225,14 @@ class LossConfig(_Section):
         return self.beta_replay > 0.0 and self.dpo_variant == "dpo"
 
 
+#: Exchange deadlines and polling, in seconds: the one definition of their defaults, used by
+#: ExchangeConfig, ObjectStoreAllReduce and ObjectStoreManager alike.
+ROUND_TIMEOUT_S = 1800.0
+STRAGGLER_TIMEOUT_S = 60.0
+TAKEOVER_TIMEOUT_S = 60.0
+POLL_INTERVAL_S = 0.5
+
+
 class ExchangeConfig(_Section):
     """How pseudo-gradients travel through the store (``ObjectStoreAllReduce``)."""
 
@@ -230,11 +243,11 @@ class ExchangeConfig(_Section):
         0, ge=0, description="Inner steps a fragment's exchange overlaps with training (Streaming DiLoCo tau)."
     )
     straggler_timeout_s: float = Field(
-        60.0, gt=0.0, description="After the first ready marker, wait this long for the rest before a partial quorum."
+        STRAGGLER_TIMEOUT_S, gt=0.0, description="After the first ready marker, wait this long for the rest before a partial quorum."
     )
-    round_timeout_s: float = Field(1800.0, gt=0.0, description="Give up on a round (TimeoutError) after this long.")
+    round_timeout_s: float = Field(ROUND_TIMEOUT_S, gt=0.0, description="Give up on a round (TimeoutError) after this long.")
     takeover_timeout_s: float = Field(
-        60.0, gt=0.0, description="Reduce a dead owner's shard from stored contributions after this long."
+        TAKEOVER_TIMEOUT_S, gt=0.0, description="Reduce a dead owner's shard from stored contributions after this long."
     )
     poll_interval_s: float | None = Field(
         None, gt=0.0, description="Seconds between store polls while waiting; unset uses the exchange's default."

@@ -7,10 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
+from support import REPO_ROOT
 
-from diloco_serverless.config import RUN_ID_PATTERN, ConfigError, RunConfig
+from diloco_serverless.config import RUN_ID_PATTERN, RunConfig
+from diloco_serverless.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def test_defaults_are_valid_and_follow_diloco() -> None:

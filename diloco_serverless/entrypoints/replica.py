@@ -20,6 +20,16 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from diloco_serverless.errors import (
+    CheckpointError,
+    RunError,
+    StoreError,
+    UserInputError,
+)
 
 __all__ = ["main"]
 
@@ -55,18 +65,10 @@ def _attempt() -> int:
     return int(raw)
 
 
-def _setup_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean "fix the input", reported as one line with exit code 2."""
-    from diloco_serverless.checkpoint import CheckpointCorrupt
-    from diloco_serverless.config import ConfigError
-    from diloco_serverless.data_common import DataError
-    from diloco_serverless.diloco import CheckpointMismatch
-    from diloco_serverless.model import ModelLoadError
-    from diloco_serverless.run import RunError
-    from diloco_serverless.store_errors import StoreError
-
-    return (RunError, ConfigError, DataError, CheckpointMismatch, CheckpointCorrupt, ModelLoadError, StoreError,
-            ValueError)
+#: Exception types that mean "fix the input", reported as one line with exit code 2: bad config,
+#: data or model name (UserInputError), a missing or invalid run, an unreachable store, a checkpoint
+#: that does not fit the model.
+_SETUP_ERRORS: tuple[type[BaseException], ...] = (UserInputError, RunError, StoreError, CheckpointError, ValueError)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -74,10 +76,6 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _dump(trainer: object, folder: str, rank: int) -> None:
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     Path(folder).mkdir(parents=True, exist_ok=True)
     params = trainer.rep.global_named_parameters()  # type: ignore[attr-defined]
     save_file({k: v.contiguous() for k, v in params.items()}, str(Path(folder) / f"rank-{rank}.safetensors"))
@@ -107,12 +105,12 @@ def _main(args: argparse.Namespace, rank_text: str) -> int:
         if not args.run_url:
             raise ValueError("no run URL: set DILOCO_RUN_URL or pass --run-url <store_url>/<run_id>")
         rank, attempt = _rank(args), _attempt()
-        from diloco_serverless.train import ReplicaTrainer
+        from diloco_serverless.trainer.loop import ReplicaTrainer
 
         trainer = ReplicaTrainer.from_run(args.run_url, rank, attempt=attempt, device=args.device)
     except KeyboardInterrupt:
         return 130
-    except _setup_errors() as exc:
+    except _SETUP_ERRORS as exc:
         print(f"error: replica rank {rank_text} of {args.run_url}: {_one_line(exc)}", file=sys.stderr)
         return 2
     try:
@@ -122,7 +120,7 @@ def _main(args: argparse.Namespace, rank_text: str) -> int:
     except Exception as exc:  # noqa: BLE001 - the one-line summary is the contract
         logger.exception("training failed")
         print(f"error: replica rank {rank} of {args.run_url} failed: {_one_line(exc)}", file=sys.stderr)
-        return 2 if isinstance(exc, _setup_errors()) else 1
+        return 2 if isinstance(exc, _SETUP_ERRORS) else 1
     if args.dump_params:
         _dump(trainer, args.dump_params, rank)
     logger.info("done: %d rounds (%d trained, %d replayed), final written by this rank: %s, eval loss %s",

@@ -17,10 +17,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from diloco_serverless.errors import DilocoError
+
 TAIL_LINES = 40
 
 
-class ReplicaProcessError(RuntimeError):
+class ReplicaProcessError(DilocoError, RuntimeError):
     """A replica process exited non-zero; the message names rank, exit code and output tail."""
 
 

@@ -23,9 +23,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
-
-class ExecutorError(RuntimeError):
-    """Base class for executor errors; the message names the executor, rank or job involved."""
+from diloco_serverless.errors import ExecutorError
 
 
 class ExecutorUnavailable(ExecutorError):

@@ -32,10 +32,14 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from importlib.metadata import PackageNotFoundError, requires
 from pathlib import Path
 from typing import Any
 
+from packaging.requirements import Requirement
+
 from diloco_serverless import __version__
+from diloco_serverless.config import tomllib
 from diloco_serverless.executors._remote import run_replica_process
 from diloco_serverless.executors.base import (
     ExecutorError,
@@ -105,7 +109,6 @@ def source_checkout_root(package_dir: Path | None = None) -> Path | None:
     diloco-serverless (an editable install or ``PYTHONPATH=.``); a wheel in site-packages has
     none. An unreadable or malformed pyproject.toml counts as "not a checkout".
     """
-    from diloco_serverless.config import tomllib
 
     root = Path(package_dir or PACKAGE_DIR).parent
     try:
@@ -120,9 +123,7 @@ def _requirement_texts() -> list[str]:
     """Requirement strings of the source that goes into the image: the checkout's pyproject.toml
     when running from one (an editable install's metadata can be older), else the installed
     distribution's metadata. ExecutorUnavailable if neither is there."""
-    from importlib.metadata import PackageNotFoundError, requires
 
-    from diloco_serverless.config import tomllib
 
     root = source_checkout_root()
     if root is not None:
@@ -148,8 +149,6 @@ def _with_extra_marker(requirement: str, extra: str) -> str:
 
 def package_requirements(extras: Sequence[str]) -> list[str]:
     """This distribution's requirements with ``extras`` (for images built from local source)."""
-    from packaging.requirements import Requirement
-
     out = []
     for text in _requirement_texts():
         req = Requirement(text)

@@ -35,10 +35,21 @@ from diloco_serverless.loss._batch import (
     is_absent,
     sequence_inputs,
 )
-from diloco_serverless.loss.dpo import check_positive, check_variant, dpo_loss, simpo_loss
+from diloco_serverless.loss.dpo import (
+    check_positive,
+    check_variant,
+    dpo_loss,
+    simpo_loss,
+)
 from diloco_serverless.loss.entropy_opd import check_h_max, entropy_opd_loss
 from diloco_serverless.loss.jsd import check_jsd_beta, generalized_jsd
-from diloco_serverless.loss.logprobs import causal_lm_logits, fp32_math, response_ce, scored_logits, token_logprobs
+from diloco_serverless.loss.logprobs import (
+    causal_lm_logits,
+    fp32_math,
+    response_ce,
+    scored_logits,
+    token_logprobs,
+)
 from diloco_serverless.loss.taid import check_taid_t, taid_loss
 
 SDPO_WRAPPERS = ("none", "taid", "entropy_opd")

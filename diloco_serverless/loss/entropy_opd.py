@@ -17,7 +17,12 @@ import math
 
 import torch
 
-from diloco_serverless.loss._math import check_pair, entropy_logspace, kl_logspace, log_probs
+from diloco_serverless.loss._math import (
+    check_pair,
+    entropy_logspace,
+    kl_logspace,
+    log_probs,
+)
 
 
 def check_h_max(h_max: float | None) -> float | None:

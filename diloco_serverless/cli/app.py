@@ -1,0 +1,359 @@
+"""``diloco``: launch DiLoCo runs on local processes, Modal or Hugging Face Jobs, and watch them.
+
+    diloco launch                                  # 4 local replicas, tiny model, ./runs
+    diloco launch --executor modal --gpu H100 --replicas 8 --store s3://bucket/runs
+    diloco status RUN_URL --watch | logs RUN_URL --rank 0 --follow | cancel RUN_URL
+    diloco ls ./runs | plot RUN_URL -o loss.png
+
+A thin typer app over :mod:`diloco_serverless.launcher.api`. Bad input (an unknown executor or GPU, a
+missing SDK or token, an unwritable store, ``--replicas 0``, an unknown ``--set`` key, a URL with no
+run) prints one ``error:`` line with the fix and exits 2 before anything is created; a failed or
+cancelled run exits 1 naming the ranks; Ctrl-C during an attached launch cancels the run (130).
+Set ``DILOCO_DEBUG=1`` to see tracebacks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from diloco_serverless import __version__
+from diloco_serverless.cli.render import (
+    progress_line,
+    runs_table,
+    status_renderable,
+    summary_lines,
+)
+from diloco_serverless.errors import (
+    ExecutorError,
+    LaunchError,
+    RunError,
+    StoreError,
+    UserInputError,
+    one_line,
+)
+from diloco_serverless.launcher.api import Run, RunFailed
+from diloco_serverless.launcher.api import launch as api_launch
+from diloco_serverless.launcher.plot import eval_loss_of, train_loss_of
+from diloco_serverless.launcher.preflight import parse_options
+from diloco_serverless.launcher.pricing import PRICE_TABLES, usd_per_replica_hour
+from diloco_serverless.launcher.status import TERMINAL
+from diloco_serverless.run.record import RunNotFound, join_run_url, list_runs
+from diloco_serverless.store.objectstore import ObjectStore
+
+app = typer.Typer(
+    name="diloco", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="DiLoCo training across serverless GPU replicas that average through an object store.",
+)
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def _out() -> Console:
+    """stdout console; wide when not a terminal so tables stay readable in logs and tests."""
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=160)
+
+
+def _err(message: str) -> None:
+    Console(stderr=True, highlight=False, width=10_000, soft_wrap=True).print(
+        Text.assemble(("error:", "bold red"), " ", message))
+
+
+#: "The run failed": exit 1. Checked first, so a failed run is never reported as bad input.
+_RUN_FAILED: tuple[type[BaseException], ...] = (RunFailed, ExecutorError, TimeoutError)
+#: "Fix the input": exit 2. The package's families (docs/architecture.md, "Errors") and the builtin
+#: errors a bad path, value or missing extra raise before anything starts.
+_BAD_INPUT: tuple[type[BaseException], ...] = (
+    UserInputError, RunError, StoreError, ValueError, FileNotFoundError, ImportError,
+)
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """Turn known exceptions into one ``error:`` line and an exit code (no tracebacks)."""
+    if os.environ.get("DILOCO_DEBUG"):
+        yield
+        return
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except _RUN_FAILED as e:
+        _err(one_line(str(e)))
+        raise typer.Exit(EXIT_FAILED) from None
+    except _BAD_INPUT as e:
+        _err(one_line(str(e)) or type(e).__name__)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    except KeyboardInterrupt:
+        _err("interrupted")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as e:  # noqa: BLE001 - last resort: one line, not a traceback
+        _err(f"unexpected {type(e).__name__}: {one_line(str(e))} (rerun with DILOCO_DEBUG=1 for the traceback)")
+        raise typer.Exit(EXIT_FAILED) from None
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"diloco-serverless {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """DiLoCo across serverless GPU replicas, averaged through an object store."""
+
+
+class _Progress:
+    """Live status table on a terminal; one progress line per change otherwise."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.live: Live | None = None
+        self.last_key: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.console.is_terminal:
+            self.live = Live(console=self.console, auto_refresh=False, transient=True)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def update(self, status: Any) -> None:
+        if self.live is not None:
+            self.live.update(status_renderable(status), refresh=True)
+            return
+        key = (status.state, status.round, status.loss, [r.state for r in status.replicas])
+        if key != self.last_key:
+            self.last_key = key
+            self.console.print(progress_line(status), markup=False)
+
+
+# ---------------------------------------------------------------------------------------- launch
+@app.command()
+def launch(
+    executor: str = typer.Option("local", "--executor", "-e", help="Where replicas run: local, modal or hf-jobs."),
+    replicas: Optional[int] = typer.Option(None, "--replicas", "-n", help="Number of replicas N (default: config, 4)."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", "--flavor",
+                                      help="Modal GPU type (A100, H100, H100:2, ...) or HF Jobs flavor (a10g-large, ...)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Store URL runs live under: ./runs, s3://bucket/prefix, gs://..."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML run config (see docs/config.md)."),
+    set_: list[str] = typer.Option([], "--set", "-s", help="Override a config key, e.g. --set inner.lr=3e-4 (repeatable)."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return after launching; watch with `diloco status`."),
+    max_usd: Optional[float] = typer.Option(None, "--max-usd", help="Cancel the run before the estimated spend exceeds this."),
+    store_from_terraform: Optional[Path] = typer.Option(
+        None, "--store-from-terraform", help="Terraform dir (or saved `terraform output -json` file) whose exchange_url is the store."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: run-<date>-<time>-<hex>)."),
+    secret: list[str] = typer.Option([], "--secret", help="Modal Secret / HF Jobs secret name with storage credentials (repeatable)."),
+    retries: Optional[int] = typer.Option(None, "--retries", min=0,
+                                          help="Restarts per replica after a crash or preemption (executor default: local 2, modal 3, hf-jobs 2)."),
+    executor_opt: list[str] = typer.Option([], "--executor-opt", "-x",
+                                           help="Executor option KEY=VALUE, repeatable (e.g. -x local_source=true, -x namespace=my-org)."),
+    poll_interval_s: float = typer.Option(2.0, "--poll-interval", help="Seconds between progress polls.", min=0.1),
+) -> None:
+    """Create a run in the store, start its replicas, and follow it to the end (unless --detach)."""
+    out = _out()
+    with _errors():
+        if max_usd is not None and max_usd <= 0:
+            raise LaunchError(f"--max-usd must be positive (got {max_usd})")
+        if max_usd is not None and detach:
+            raise LaunchError("--max-usd needs the launcher attached to enforce it; drop --detach")
+        if max_usd is not None and executor in PRICE_TABLES and usd_per_replica_hour(executor, gpu) is None:
+            raise LaunchError(f"--max-usd needs a price for {executor} GPU {gpu!r}, which the price table lacks; "
+                              "drop --max-usd or pick a listed GPU")
+        options: dict[str, Any] = parse_options(executor_opt)
+        if secret:
+            options["secrets"] = list(secret)
+        if retries is not None:
+            options["retries"] = retries
+        run = api_launch(config, executor, overrides=set_, replicas=replicas, store=store, run_id=run_id,
+                         gpu=gpu, store_from_terraform=store_from_terraform, executor_options=options)
+        out.print(f"launched {run.config.replicas} {run.executor_kind} replicas of run {run.run_id}", markup=False)
+        out.print(f"run URL: {run.url}", markup=False)
+        if detach:
+            out.print(f"follow it with: diloco status {run.url} --watch   (cancel: diloco cancel {run.url})",
+                      markup=False)
+            return
+        try:
+            with _Progress(out) as progress:
+                final = run.wait(poll_interval_s=poll_interval_s, on_update=progress.update, max_usd=max_usd)
+        except RunFailed as e:
+            _print_summary(out, e.status)
+            _print_failed_logs(out, run, e.status)
+            raise
+        except KeyboardInterrupt:
+            run.cancel()
+            _err(f"interrupted: cancelled run {run.url} (use --detach to leave a run running)")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        _print_summary(out, final)
+
+
+def _print_summary(out: Console, status: Any) -> None:
+    for line in summary_lines(status):
+        out.print(line, markup=False)
+
+
+def _print_failed_logs(out: Console, run: Any, status: Any, lines: int = 8) -> None:
+    for rank, _ in status.failures:
+        try:
+            tail = run.logs(rank, tail=lines)
+        except Exception:  # noqa: BLE001 - the log is a courtesy; the error line follows anyway
+            continue
+        out.print(f"--- last {lines} log lines of rank {rank} ---", markup=False)
+        out.print(tail.rstrip("\n"), markup=False, highlight=False)
+
+
+# ---------------------------------------------------------------------------------------- reading
+RUN_HELP = ("<store_url>/<run_id> as printed by `diloco launch`, or a run id under ./runs; "
+            "default: the latest run under ./runs.")
+DEFAULT_STORE = "./runs"
+
+
+def _attach(run_url: str | None) -> Any:
+    """Open the run: a run URL, a bare run id under ./runs, or (None) the latest run under ./runs."""
+    if run_url is None:
+        runs = list_runs(DEFAULT_STORE) if Path(DEFAULT_STORE).is_dir() else []
+        if not runs:
+            raise LaunchError(f"no runs under {DEFAULT_STORE}; pass a run URL such as s3://bucket/runs/<run_id>")
+        return Run.attach(runs[-1].url)
+    try:
+        return Run.attach(run_url)
+    except RunNotFound:
+        bare = "/" not in run_url and "://" not in run_url
+        if bare and Path(DEFAULT_STORE, run_url, "run.json").is_file():
+            return Run.attach(join_run_url(DEFAULT_STORE, run_url))
+        raise
+
+
+@app.command()
+def status(
+    run_url: Optional[str] = typer.Argument(None, help=RUN_HELP),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until the run ends (Ctrl-C to stop watching)."),
+    interval_s: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch.", min=0.1),
+) -> None:
+    """Per-replica table (state, round, step, loss, heartbeat, bytes moved), totals and est. spend."""
+    out = _out()
+    with _errors():
+        run = _attach(run_url)
+        if not watch:
+            out.print(status_renderable(run.status()))
+            return
+        try:
+            with _Progress(out) as progress:
+                current = run.status()
+                while True:
+                    progress.update(current)
+                    if current.done:
+                        break
+                    time.sleep(interval_s)
+                    current = run.status()
+        except KeyboardInterrupt:
+            pass
+        out.print(status_renderable(run.status()))
+
+
+@app.command()
+def logs(
+    run_url: Optional[str] = typer.Argument(None, help=RUN_HELP),
+    rank: int = typer.Option(0, "--rank", "-r", help="Replica rank."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until the replica ends."),
+    tail: Optional[int] = typer.Option(None, "--tail", help="Only the last N lines."),
+    interval_s: float = typer.Option(1.0, "--interval", help="Seconds between polls with --follow.", min=0.1),
+) -> None:
+    """Print one replica's log (from the executor, or <run>/logs/rank-<r>.log)."""
+    with _errors():
+        run = _attach(run_url)
+        text = run.logs(rank, tail=tail)
+        sys.stdout.write(text if follow or text.endswith("\n") or not text else text + "\n")
+        sys.stdout.flush()
+        if follow:
+            _follow(run, rank, text, interval_s)
+
+
+def _follow(run: Any, rank: int, seen: str, interval_s: float) -> None:
+    """Print what is appended to the log until the replica reaches a terminal state."""
+    try:
+        while True:
+            time.sleep(interval_s)
+            text = run.logs(rank)
+            new = text[len(seen):] if text.startswith(seen) else text
+            if new:
+                sys.stdout.write(new)
+                sys.stdout.flush()
+            seen = text
+            if run.status().replicas[rank].state in TERMINAL:
+                return
+    except KeyboardInterrupt:
+        return
+
+
+@app.command()
+def cancel(run_url: Optional[str] = typer.Argument(None, help=RUN_HELP)) -> None:
+    """Cancel every replica of a run through the executor that launched it."""
+    with _errors():
+        run = _attach(run_url)
+
+        current = run.status()
+        if all(r.state in TERMINAL for r in current.replicas):
+            _out().print(f"run {run.run_id} already {current.state}; nothing to cancel", markup=False)
+            return
+        run.cancel()
+        _out().print(f"cancelled {len(run.handles)} replicas of run {run.run_id}", markup=False)
+
+
+@app.command("ls")
+def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live under.")) -> None:
+    """List the runs under a store URL: created, executor, replicas, rounds, state, latest loss
+    (rank 0's eval loss when its latest round evaluated, else its training loss)."""
+
+    out = _out()
+    with _errors():
+        root = ObjectStore(store_url)
+        rows = []
+        for record in list_runs(root):
+            run = Run(root.child(record.run_id), record)
+            st = run.status(with_metrics=False)
+            last = run.latest_metrics(0) or {}
+            rows.append({"run_id": record.run_id, "created": record.created_at, "executor": st.executor,
+                         "replicas": record.config.replicas,
+                         "rounds": f"{'-' if st.round is None else st.round}/{record.config.rounds}",
+                         "state": st.state if record.launch else "created",
+                         "loss": eval_loss_of(last) or train_loss_of(last) or st.loss})
+        if not rows:
+            out.print(f"no runs under {root.url}", markup=False)
+            return
+        out.print(runs_table(rows, root.url))
+
+
+@app.command()
+def plot(
+    run_url: Optional[str] = typer.Argument(None, help=RUN_HELP),
+    output: Path = typer.Option(Path("loss.png"), "--output", "-o", help="PNG file to write."),
+) -> None:
+    """Plot per-replica training loss and eval loss against rounds (PNG, matplotlib Agg)."""
+    with _errors():
+        path = _attach(run_url).plot(output)
+        _out().print(f"wrote {path}", markup=False)
+
+
+def main() -> None:
+    """Console-script entry point (``diloco``)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

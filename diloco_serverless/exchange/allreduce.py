@@ -1,0 +1,464 @@
+"""``ObjectStoreAllReduce``: a bandwidth-optimal, fault-tolerant all-reduce (mean) through an object store.
+
+The replicas share nothing but a bucket (S3, GCS, a local folder). One call is one round
+(DESIGN.md "The exchange"): the flat tensor is cut into S = world_size fixed shards; each replica
+PUTs its S contribution objects then a ``ready`` marker; a create-only ``quorum.json`` fixes the
+participants Q (all N, or at least ``min_replicas`` after the straggler deadline); shard j is
+reduced by ``Q[j mod |Q|]``, which sums the participants' decoded shards in rank order in fp32,
+divides by |Q| and PUTs ``reduced/j`` create-only; everyone GETs the reduced shards. Per replica
+that is P + P/N bytes up and 2P(N-1)/N down, against the lower bound P + 2P(N-1)/N for a store
+that only moves whole objects (the seed's design moved (N-1)P down). This is reduce-scatter +
+all-gather (Patarasuk & Yuan 2009) with the bucket as the switch, used as the outer
+pseudo-gradient average of DiLoCo (Douillard et al., arXiv 2311.08105).
+
+Fault tolerance: a replica that never becomes ready is left out after the straggler deadline; a
+shard whose owner died is reduced by whoever waits past ``takeover_timeout_s`` (the first create
+wins and the bytes are identical); a replica that arrives after the quorum adopts the round's
+result without contributing. Every replica returns bit-identical values because everyone decodes
+the same create-only ``reduced`` objects. Failures raise :class:`ExchangeError` subclasses or
+``TimeoutError`` naming the ranks, shards and keys involved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from diloco_serverless.config import (
+    POLL_INTERVAL_S,
+    ROUND_TIMEOUT_S,
+    STRAGGLER_TIMEOUT_S,
+    TAKEOVER_TIMEOUT_S,
+)
+from diloco_serverless.errors import ExchangeError
+from diloco_serverless.exchange._io import (
+    FIRST_POLL_S as _FIRST_POLL_S,
+)
+from diloco_serverless.exchange._io import (
+    CountingStore,
+    json_bytes,
+    shard_bounds,
+    shards_in,
+)
+from diloco_serverless.exchange.codec import (
+    ShardHeader,
+    decode_shard,
+    decode_values,
+    encode_values,
+    pack,
+    validate_codec,
+)
+from diloco_serverless.exchange.errors import (
+    CorruptObjectError,
+    MismatchError,
+    RoundPrunedError,
+)
+from diloco_serverless.exchange.quorum import (
+    Quorum,
+    QuorumWait,
+    ReadyMarker,
+    check_agreement,
+    read_quorum,
+    wait_for_quorum,
+)
+from diloco_serverless.run.layout import (
+    ROUNDS_PREFIX,
+    contrib_key,
+    ready_key,
+    reduced_key,
+    reduced_prefix,
+    round_prefix,
+)
+from diloco_serverless.store.objectstore import ObjectStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from diloco_serverless.store.objectstore import ObjectStore
+
+__all__ = [
+    "CorruptObjectError",
+    "ExchangeError",
+    "MismatchError",
+    "ObjectStoreAllReduce",
+    "RoundPrunedError",
+    "RoundStats",
+]
+
+
+_GATHER_BATCH_BYTES = 512 << 20  # fp32 bytes of reduced shards downloaded concurrently
+
+
+@dataclass
+class RoundStats:
+    """What one round cost this replica. Bytes are object payloads moved by this replica."""
+
+    round: int
+    participants: list[int]
+    bytes_up: int = 0
+    bytes_down: int = 0
+    wait_s: float = 0.0
+    total_s: float = 0.0
+    late: bool = False
+    reduced_shards: list[int] = field(default_factory=list)
+    takeovers: list[int] = field(default_factory=list)
+    phases_s: dict[str, float] = field(default_factory=dict)  # publish, quorum, reduce, gather
+
+
+@dataclass
+class _Round:
+    """State of the round in progress."""
+
+    r: int
+    me: ReadyMarker
+    bounds: list[tuple[int, int]]
+    deadline: float
+    own: list[torch.Tensor] | None = None  # our decoded contributions, per shard
+    stats: RoundStats | None = None
+    prefetch: dict[str, Future[bytes | None]] = field(default_factory=dict)  # contrib key -> GET in flight
+
+
+class ObjectStoreAllReduce:
+    """Element-wise mean of a tensor over the replicas of a run, through an object store.
+
+    Args:
+        url: store URL (``s3://bucket/prefix``, ``gs://...``, ``file:///...``, a path, ``memory://...``)
+            or an ``ObjectStore``. Rounds live under ``<url>/<run_id>/rounds/``.
+        rank, world_size: this replica and the configured number of replicas (S = world_size shards).
+        timeout_s: a round that cannot complete within this raises ``TimeoutError``.
+        min_replicas: smallest quorum accepted after ``straggler_timeout_s``; ``None`` = world_size
+            (every replica must arrive).
+        takeover_timeout_s: how long after the quorum a replica waits for a shard's owner before
+            reducing that shard itself.
+        codec: ``fp32``, ``bf16`` or ``int8`` for contributions and reduced shards (reduction is fp32).
+        error_feedback: add the codec's residual of the previous round (per ``residual_key``) to the input.
+        keep_rounds: rounds kept in the store (older ones are deleted); ``None`` keeps all (use ``prune``).
+        poll_interval_s: longest sleep between polls (polling starts at 20 ms and backs off 1.5x).
+
+    Raises ``ValueError`` in ``__init__`` for an impossible configuration, saying what to change.
+    """
+
+    def __init__(
+        self,
+        url: str | ObjectStore,
+        rank: int,
+        world_size: int,
+        *,
+        run_id: str = "default",
+        timeout_s: float = ROUND_TIMEOUT_S,
+        min_replicas: int | None = None,
+        straggler_timeout_s: float = STRAGGLER_TIMEOUT_S,
+        takeover_timeout_s: float = TAKEOVER_TIMEOUT_S,
+        codec: str = "fp32",
+        error_feedback: bool = False,
+        keep_rounds: int | None = 4,
+        storage_options: dict[str, Any] | None = None,
+        poll_interval_s: float = POLL_INTERVAL_S,
+    ) -> None:
+        _validate(rank, world_size, min_replicas, timeout_s, straggler_timeout_s, takeover_timeout_s, keep_rounds, poll_interval_s)
+        self.rank, self.world_size, self.run_id = rank, world_size, run_id
+        self.codec = validate_codec(codec)
+        self.timeout_s, self.straggler_timeout_s, self.takeover_timeout_s = timeout_s, straggler_timeout_s, takeover_timeout_s
+        self.min_replicas = world_size if min_replicas is None else min_replicas
+        self.error_feedback, self.keep_rounds, self.poll_interval_s = error_feedback, keep_rounds, poll_interval_s
+        self.last_stats: RoundStats | None = None
+        self._next_round = 0
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._io: CountingStore | None = None
+        if world_size > 1:  # world_size == 1 touches no store, not even to open it
+            self._io = CountingStore(_open_store(url, storage_options, timeout_s).child(run_id))
+
+    # ------------------------------------------------------------------ public API
+
+    def allreduce(self, tensor: torch.Tensor, *, round: int | None = None, residual_key: str = "default") -> torch.Tensor:
+        """Return the element-wise mean of ``tensor`` over this round's participants.
+
+        Same dtype, shape and device as ``tensor``; bit-identical on every replica. ``round``
+        defaults to the round after the last one this object ran (0 first).
+        """
+        r = self._next_round if round is None else int(round)
+        if r < 0:
+            raise ValueError(f"round must be >= 0, got {r}")
+        t0 = time.monotonic()
+        if self._io is None:
+            self._next_round = r + 1
+            self.last_stats = RoundStats(r, [self.rank], late=False)
+            return tensor.detach().clone()
+        self._io.reset()
+        flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        if self.error_feedback and self.codec != "fp32":
+            flat = self._add_residual(flat, residual_key)
+        rs = _Round(r, self._marker(r, tensor), shard_bounds(flat.numel(), self.world_size), t0 + self.timeout_s)
+        rs.stats = RoundStats(r, [])
+        quorum = self._join(rs, flat)
+        rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
+        out = self._gather(rs, quorum)
+        if self.error_feedback and self.codec != "fp32" and rs.own is not None and not rs.stats.late:
+            self._residuals[residual_key] = flat - torch.cat(rs.own)
+        self._next_round = r + 1
+        self._finish(rs, t0)
+        return out.view(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
+
+    def read_reduced(self, round: int, like: torch.Tensor) -> torch.Tensor | None:
+        """Replay a stored round's result (healing); ``None`` if the round is absent or pruned.
+
+        Raises :class:`MismatchError` if the stored round averaged a different element count
+        than ``like``, :class:`CorruptObjectError` for a bad object.
+        """
+        if self._io is None:
+            return None
+        quorum = read_quorum(self._io, run_id=self.run_id, round=round)
+        if quorum is None:
+            return None
+        ref = quorum.markers[quorum.participants[0]]
+        if ref.numel != like.numel():
+            raise MismatchError(
+                f"round {round} averaged {ref.numel} elements (shape {tuple(ref.shape)}) but the tensor to replay into "
+                f"has {like.numel()} (shape {tuple(like.shape)})"
+            )
+        bounds = shard_bounds(ref.numel, ref.world_size)
+        keys = [reduced_key(round, j) for j in range(len(bounds))]
+        blobs = self._io.get_many(keys, missing_ok=True)
+        if len(blobs) != len(keys):
+            return None
+        parts = [decode_shard(blobs[k], key=k, expect=self._reduced_header(round, j, b, ref)) for j, (k, b) in enumerate(zip(keys, bounds))]
+        return torch.cat(parts).view(like.shape).to(device=like.device, dtype=like.dtype)
+
+    def prune(self, before_round: int) -> None:
+        """Delete every stored round numbered below ``before_round`` (missing rounds are fine)."""
+        if self._io is None:
+            return
+        rounds = {int(k.split("/")[1]) for k in self._io.list(ROUNDS_PREFIX) if k.count("/") >= 2 and k.split("/")[1].isdigit()}
+        for r in sorted(x for x in rounds if x < before_round):
+            self._io.delete(round_prefix(r), recursive=True)
+
+    def close(self) -> None:
+        """Release the upload threads. The object can still be used afterwards (threads restart)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._io is not None:
+            self._io.close()
+
+    def __enter__(self) -> ObjectStoreAllReduce:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ round phases
+
+    def _join(self, rs: _Round, flat: torch.Tensor) -> Quorum:
+        """Publish our contribution unless the round already has a quorum; return the quorum."""
+        io = self._io
+        assert io is not None and rs.stats is not None
+        quorum = read_quorum(io, run_id=self.run_id, round=rs.r)
+        if quorum is None:
+            t = time.monotonic()
+            rs.own = self._publish(rs, flat)
+            waited = time.monotonic()
+            rs.stats.phases_s["publish"] = waited - t
+            wait = QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline, self.poll_interval_s)
+            quorum = wait_for_quorum(io, rs.me, wait, on_ready=lambda ready: self._prefetch(rs, ready))
+            rs.stats.wait_s += time.monotonic() - waited
+            rs.stats.phases_s["quorum"] = time.monotonic() - waited
+        check_agreement(quorum, rs.me)
+        return quorum
+
+    def _publish(self, rs: _Round, flat: torch.Tensor) -> list[torch.Tensor]:
+        """PUT our S contribution objects concurrently, then our ready marker; return what others will decode."""
+        io = self._io
+        assert io is not None
+
+        def one(j: int) -> torch.Tensor:
+            a, b = rs.bounds[j]
+            enc = encode_values(flat[a:b], self.codec)
+            header = ShardHeader(self.run_id, rs.r, j, "contrib", self.codec, b - a, self.rank, rs.me.dtype, rs.me.shape)
+            io.put(contrib_key(rs.r, j, self.rank), pack(enc, asdict(header)))
+            return decode_values(enc, self.codec, b - a)
+
+        own = list(self._executor().map(one, range(self.world_size)))
+        io.put(ready_key(rs.r, self.rank), json_bytes(asdict(rs.me)))
+        return own
+
+    def _gather(self, rs: _Round, quorum: Quorum) -> torch.Tensor:
+        """Reduce our shards, then collect every reduced shard (taking over dead owners' shards)."""
+        io = self._io
+        assert io is not None and rs.stats is not None
+        ref = quorum.markers[quorum.participants[0]]
+        out = torch.empty(ref.numel, dtype=torch.float32)
+        done: set[int] = set()
+        t_reduce = time.monotonic()
+
+        def place(j: int, values: torch.Tensor) -> None:
+            out[rs.bounds[j][0] : rs.bounds[j][1]].copy_(values)
+            done.add(j)
+
+        for j in range(self.world_size):
+            if quorum.participants[j % len(quorum.participants)] == self.rank:
+                place(j, self._reduce(rs, quorum, j, ref))
+                rs.stats.reduced_shards.append(j)
+        started, sleep_s = time.monotonic(), min(_FIRST_POLL_S, self.poll_interval_s)
+        rs.stats.phases_s["reduce"] = started - t_reduce
+        while len(done) < self.world_size:
+            missing = [j for j in range(self.world_size) if j not in done]
+            if self._fetch_reduced(rs, missing, ref, place):
+                sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
+                continue
+            now = time.monotonic()
+            if now - started >= self.takeover_timeout_s:
+                for j in missing:
+                    place(j, self._reduce(rs, quorum, j, ref))
+                    rs.stats.takeovers.append(j)
+                continue
+            if now >= rs.deadline:
+                owners = {j: quorum.participants[j % len(quorum.participants)] for j in missing}
+                raise TimeoutError(f"round {rs.r}: reduced shards never appeared (shard: owner rank) {owners}; check those replicas")
+            pause = min(sleep_s, max(0.0, rs.deadline - now))
+            time.sleep(pause)
+            rs.stats.wait_s += pause
+            sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
+        rs.stats.phases_s["gather"] = time.monotonic() - started
+        return out
+
+    def _fetch_reduced(self, rs: _Round, missing: list[int], ref: ReadyMarker, place: Callable[[int, torch.Tensor], None]) -> bool:
+        """Download and verify the reduced shards among ``missing`` that exist now; False if none did."""
+        io = self._io
+        assert io is not None
+        present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
+        for batch in _batches(present, rs.bounds, _GATHER_BATCH_BYTES // 4):
+            keys = {j: reduced_key(rs.r, j) for j in batch}
+            blobs = io.get_many(list(keys.values()))
+            for j, key in keys.items():
+                place(j, decode_shard(blobs.pop(key), key=key, expect=self._reduced_header(rs.r, j, rs.bounds[j], ref)))
+        return bool(present)
+
+    def _prefetch(self, rs: _Round, ready: set[int]) -> None:
+        """While waiting for the quorum, start downloading the contributions of ready ranks to the
+        shard we will own if everyone arrives (shard ``rank``): the reduce then overlaps the wait.
+        If the quorum turns out smaller, those bytes are simply not used."""
+        io = self._io
+        assert io is not None
+        for q in ready - {self.rank}:
+            key = contrib_key(rs.r, self.rank, q)
+            if key not in rs.prefetch:
+                rs.prefetch[key] = io.get_async(key)
+
+    def _reduce(self, rs: _Round, quorum: Quorum, j: int, ref: ReadyMarker) -> torch.Tensor:
+        """Mean of shard j over the quorum (rank order, fp32), stored create-only; returns the stored values."""
+        io = self._io
+        assert io is not None
+        a, b = rs.bounds[j]
+        use_own = rs.own is not None and self.rank in quorum.participants
+        keys = {q: contrib_key(rs.r, j, q) for q in quorum.participants if not (use_own and q == self.rank)}
+        pending = {k: rs.prefetch.pop(k) for k in keys.values() if k in rs.prefetch}
+        blobs = io.get_many([k for k in keys.values() if k not in pending], missing_ok=True)
+        for k, fut in pending.items():
+            data = fut.result()
+            blobs.update({k: data} if data is not None else io.get_many([k], missing_ok=True))
+        acc = torch.zeros(b - a, dtype=torch.float32)
+        for q in quorum.participants:
+            if use_own and q == self.rank:
+                assert rs.own is not None
+                acc += rs.own[j]
+                continue
+            if keys[q] not in blobs:
+                raise ExchangeError(
+                    f"round {rs.r}: contribution {keys[q]!r} of participant {q} is missing although its ready marker "
+                    "exists; the round was pruned or the store lost it — restart the round"
+                )
+            head = ShardHeader(self.run_id, rs.r, j, "contrib", ref.codec, b - a, q, ref.dtype, ref.shape)
+            acc += decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head)
+        acc /= len(quorum.participants)
+        enc = encode_values(acc, self.codec)
+        key = reduced_key(rs.r, j)
+        if io.put_if_absent(key, pack(enc, asdict(self._reduced_header(rs.r, j, (a, b), ref)))):
+            return decode_values(enc, self.codec, b - a)
+        return decode_shard(io.get(key), key=key, expect=self._reduced_header(rs.r, j, (a, b), ref))
+
+    def _finish(self, rs: _Round, t0: float) -> None:
+        """Record stats and delete the round that fell out of ``keep_rounds``."""
+        io = self._io
+        assert io is not None and rs.stats is not None
+        q = rs.stats.participants
+        if self.keep_rounds is not None and rs.r >= self.keep_rounds and q[rs.r % len(q)] == self.rank:
+            io.delete(round_prefix(rs.r - self.keep_rounds), recursive=True)
+        rs.stats.bytes_up, rs.stats.bytes_down = io.bytes_up, io.bytes_down
+        rs.stats.total_s = time.monotonic() - t0
+        self.last_stats = rs.stats
+
+    # ------------------------------------------------------------------ helpers
+
+    def _marker(self, r: int, tensor: torch.Tensor) -> ReadyMarker:
+        return ReadyMarker(self.run_id, r, self.rank, self.world_size, tensor.numel(), str(tensor.dtype), list(tensor.shape), self.codec)
+
+    def _reduced_header(self, r: int, j: int, bounds: tuple[int, int], ref: ReadyMarker) -> ShardHeader:
+        return ShardHeader(self.run_id, r, j, "reduced", ref.codec, bounds[1] - bounds[0], None, ref.dtype, ref.shape)
+
+    def _add_residual(self, flat: torch.Tensor, key: str) -> torch.Tensor:
+        res = self._residuals.get(key)
+        if res is None or res.numel() != flat.numel():
+            return flat
+        return flat + res
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(16, self.world_size), thread_name_prefix=f"exchange-{self.rank}")
+        return self._pool
+
+
+def _batches(shards: list[int], bounds: list[tuple[int, int]], max_elems: int) -> list[list[int]]:
+    """Group shards into concurrent downloads of at most ``max_elems`` elements (at least one shard each)."""
+    out: list[list[int]] = []
+    size = 0
+    for j in shards:
+        n = bounds[j][1] - bounds[j][0]
+        if out and size + n <= max_elems:
+            out[-1].append(j)
+            size += n
+        else:
+            out.append([j])
+            size = n
+    return out
+
+
+def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, timeout_s: float) -> ObjectStore:
+    """Open the store; no single store operation (retries included) may outlive the round's timeout."""
+
+
+    options = dict(storage_options or {})
+    if isinstance(url, str) and url.startswith("s3://"):
+        # Exchange objects are fetched concurrently already; s3fs's intra-object concurrency
+        # would add a HEAD (size probe) before every GET. Callers may still override it.
+        options.setdefault("max_concurrency", 1)
+    store = url if isinstance(url, ObjectStore) else ObjectStore(url, options or None)
+    if store.retry.timeout_s > timeout_s:
+        store = store.with_retry(replace(store.retry, timeout_s=timeout_s))
+    return store
+
+
+def _validate(
+    rank: int,
+    world_size: int,
+    min_replicas: int | None,
+    timeout_s: float,
+    straggler_timeout_s: float,
+    takeover_timeout_s: float,
+    keep_rounds: int | None,
+    poll_interval_s: float,
+) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got rank={rank}; check REPLICA_RANK")
+    if min_replicas is not None and not 1 <= min_replicas <= world_size:
+        raise ValueError(f"min_replicas must be between 1 and world_size={world_size}, got {min_replicas}")
+    for name, v in (("timeout_s", timeout_s), ("straggler_timeout_s", straggler_timeout_s), ("takeover_timeout_s", takeover_timeout_s), ("poll_interval_s", poll_interval_s)):
+        if not v > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {v}")
+    if keep_rounds is not None and keep_rounds < 1:
+        raise ValueError(f"keep_rounds must be >= 1 or None (keep all), got {keep_rounds}")

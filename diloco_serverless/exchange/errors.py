@@ -1,0 +1,23 @@
+"""Errors raised by the object-store exchange (codec.py, allreduce.py).
+
+Every message names the key, round or ranks involved and says what to do, so that a replica's
+one-line failure in a serverless log is enough to act on.
+"""
+
+from __future__ import annotations
+
+from diloco_serverless.errors import ExchangeError
+
+
+class CorruptObjectError(ExchangeError):
+    """An exchange object failed verification (truncated bytes, checksum mismatch, wrong header,
+    or written by another run / round / shard). It is never averaged in."""
+
+
+class MismatchError(ExchangeError):
+    """Replicas disagree on what they are averaging (element count, dtype or codec)."""
+
+
+class RoundPrunedError(ExchangeError):
+    """The requested round is gone from the store (pruned) or was skipped by the rest of the run;
+    the replica must heal from a checkpoint instead of joining it."""

@@ -1,0 +1,205 @@
+"""Ready markers and the create-only quorum of an exchange round (DESIGN.md "The exchange", step 2).
+
+A replica writes ``ready/rank-<r>`` after all of its contribution objects. The first replica that
+sees all N ready markers, or whose straggler deadline passes with at least ``min_replicas`` ready,
+writes ``quorum.json`` with create-only semantics (S3 ``If-None-Match: *``, GCS
+``ifGenerationMatch=0``, ``os.link`` locally); everyone then reads the one that won. The quorum
+copies the participants' ready markers, so every replica, including late ones, checks that all
+participants agree on element count, dtype and codec *before* anything is reduced, and raises the
+same :class:`MismatchError` everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from diloco_serverless.exchange._io import FIRST_POLL_S as _FIRST_POLL_S
+from diloco_serverless.exchange._io import CountingStore, json_bytes, ranks_in
+from diloco_serverless.exchange.errors import (
+    CorruptObjectError,
+    MismatchError,
+    RoundPrunedError,
+)
+from diloco_serverless.run.layout import (
+    ROUNDS_PREFIX,
+    quorum_key,
+    ready_key,
+    ready_prefix,
+)
+
+
+@dataclass(frozen=True)
+class ReadyMarker:
+    """What rank ``rank`` contributed to round ``round``: checked by every replica before reducing."""
+
+    run_id: str
+    round: int
+    rank: int
+    world_size: int
+    numel: int
+    dtype: str
+    shape: list[int]
+    codec: str
+
+    def signature(self) -> tuple[Any, ...]:
+        return (self.world_size, self.numel, self.dtype, self.codec)
+
+    def describe(self) -> str:
+        return f"rank {self.rank}: shape {tuple(self.shape)} ({self.numel} elements, {self.dtype}, codec {self.codec})"
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], *, key: str) -> ReadyMarker:
+        try:
+            return cls(**{f: obj[f] for f in cls.__dataclass_fields__})
+        except (KeyError, TypeError) as e:
+            raise CorruptObjectError(f"ready marker {key!r} is malformed ({e}); refusing it") from e
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The participants of one round (sorted ranks) and their ready markers."""
+
+    run_id: str
+    round: int
+    participants: list[int]
+    markers: dict[int, ReadyMarker]
+    created_by: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "round": self.round,
+            "participants": self.participants,
+            "created_by": self.created_by,
+            "created_at": time.time(),
+            "markers": {str(r): asdict(m) for r, m in self.markers.items()},
+        }
+
+    @classmethod
+    def parse(cls, data: bytes, *, key: str, run_id: str, round: int) -> Quorum:
+        """Parse ``quorum.json``; raises :class:`CorruptObjectError` naming ``key`` if it is bad or foreign."""
+        try:
+            obj = json.loads(data.decode("utf-8"))
+            markers = {int(r): ReadyMarker.from_json(m, key=key) for r, m in obj["markers"].items()}
+            q = cls(obj["run_id"], int(obj["round"]), sorted(int(r) for r in obj["participants"]), markers, int(obj["created_by"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptObjectError(f"quorum object {key!r} is not valid quorum JSON ({e}); refusing it") from e
+        if q.run_id != run_id or q.round != round:
+            raise CorruptObjectError(
+                f"quorum object {key!r} belongs to run {q.run_id!r} round {q.round}, expected run {run_id!r} round {round}; "
+                "is another run using the same store URL and run id?"
+            )
+        if not q.participants or set(q.participants) != set(markers):
+            raise CorruptObjectError(f"quorum object {key!r} lists participants {q.participants} without matching markers")
+        return q
+
+
+def read_quorum(io: CountingStore, *, run_id: str, round: int) -> Quorum | None:
+    """The round's quorum, or ``None`` when no replica has written it yet."""
+    key = quorum_key(round)
+    data = io.get_or_none(key)
+    return None if data is None else Quorum.parse(data, key=key, run_id=run_id, round=round)
+
+
+def check_agreement(quorum: Quorum, me: ReadyMarker) -> None:
+    """Raise :class:`MismatchError` (identically on every replica) unless all participants and ``me``
+    agree on world size, element count, dtype and codec. Names both ranks and both shapes."""
+    ref = quorum.markers[quorum.participants[0]]
+    for r in quorum.participants[1:]:
+        other = quorum.markers[r]
+        if other.signature() != ref.signature():
+            raise MismatchError(
+                f"round {quorum.round}: replicas disagree on what they average — {ref.describe()} vs {other.describe()}; "
+                "every replica must all-reduce the same flat tensor with the same codec and world size"
+            )
+    if me.signature() != ref.signature():
+        raise MismatchError(
+            f"round {quorum.round}: this replica's tensor does not match the round's participants — "
+            f"{me.describe()} vs {ref.describe()}; every replica must all-reduce the same flat tensor"
+        )
+
+
+@dataclass
+class QuorumWait:
+    """Parameters of :func:`wait_for_quorum` (seconds are monotonic-clock deadlines / intervals)."""
+
+    world_size: int
+    min_replicas: int
+    straggler_timeout_s: float
+    deadline: float
+    poll_interval_s: float
+
+
+def _try_create(io: CountingStore, me: ReadyMarker, ready: set[int]) -> None:
+    """Write quorum.json (create-only) from the markers of ``ready``; losing the race is fine."""
+    keys = [ready_key(me.round, r) for r in sorted(ready)]
+    blobs = io.get_many(keys, missing_ok=True)
+    markers: dict[int, ReadyMarker] = {}
+    for r, k in zip(sorted(ready), keys):
+        if k in blobs:
+            markers[r] = ReadyMarker.from_json(json.loads(blobs[k].decode("utf-8")), key=k)
+    if markers:
+        q = Quorum(me.run_id, me.round, sorted(markers), markers, me.rank)
+        io.put_if_absent(quorum_key(me.round), json_bytes(q.to_json()))
+
+
+def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
+    """Raise :class:`RoundPrunedError` if a later round already has a quorum (one recursive listing)."""
+    later = sorted(
+        int(parts[1]) for parts in (k.split("/") for k in io.list(ROUNDS_PREFIX))
+        if len(parts) == 3 and parts[2] == "quorum.json" and parts[1].isdigit() and int(parts[1]) > me.round
+    )
+    if later:
+        raise RoundPrunedError(
+            f"round {me.round} has no quorum but round {later[0]} does: the run moved on without this replica "
+            f"(rank {me.rank}) and round {me.round} may have been pruned; heal from the latest checkpoint"
+        )
+
+
+def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait, on_ready: Callable[[set[int]], None] | None = None) -> Quorum:
+    """Poll ``ready/`` until a quorum exists, writing it ourselves when we are entitled to.
+
+    Entitled = all N ready, or our straggler deadline passed with ``min_replicas`` ready. The
+    lowest ready rank writes at once (one replica reads the N markers, not N replicas); any other
+    entitled replica writes after a short grace, so a writer that died costs only that grace.
+    ``on_ready`` sees the ready ranks after every listing (the exchange starts prefetching there).
+    Raises ``TimeoutError`` naming the ranks that never arrived when ``p.deadline`` passes with
+    fewer than ``min_replicas`` ready, and :class:`RoundPrunedError` if the run moved on.
+    """
+    started = time.monotonic()
+    grace_s = max(4 * p.poll_interval_s, 0.5)
+    sleep_s, last_skip_check, last_read = min(_FIRST_POLL_S, p.poll_interval_s), started - 1.0, started
+    entitled_since: float | None = None
+    seen: set[int] = set()
+    while True:
+        ready = {r for r in ranks_in(io.list(ready_prefix(me.round))) if 0 <= r < p.world_size}
+        if on_ready is not None:
+            on_ready(ready)
+        now = time.monotonic()
+        entitled = len(ready) >= p.world_size or (now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas)
+        if entitled:
+            entitled_since = now if entitled_since is None else entitled_since
+            if me.rank == min(ready) or now - entitled_since >= grace_s:
+                _try_create(io, me, ready)
+        if entitled or now - last_read >= max(p.poll_interval_s, 0.5):  # others may have formed it without us
+            last_read = now
+            q = read_quorum(io, run_id=me.run_id, round=me.round)
+            if q is not None:
+                return q
+        if now >= p.deadline:
+            missing = sorted(set(range(p.world_size)) - ready)
+            raise TimeoutError(
+                f"round {me.round}: ranks {missing} never became ready (ready: {sorted(ready)}, "
+                f"min_replicas={p.min_replicas}); check those replicas' logs or lower min_replicas"
+            )
+        if now - started >= p.straggler_timeout_s and now - last_skip_check >= 1.0:
+            _check_skipped(io, me)
+            last_skip_check = now
+        if ready != seen:
+            seen, sleep_s = ready, min(_FIRST_POLL_S, p.poll_interval_s)
+        time.sleep(min(sleep_s, max(0.0, p.deadline - now)))
+        sleep_s = min(sleep_s * 1.5, p.poll_interval_s)

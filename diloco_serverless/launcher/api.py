@@ -1,0 +1,367 @@
+"""The Python API: ``launch(config, executor=...) -> Run`` and ``Run.attach(url)``.
+
+::
+
+    from diloco_serverless import RunConfig, launch
+    run = launch(RunConfig.load(None, ["rounds=4"]), executor="local")
+    summary = run.wait()          # RunStatus; raises RunFailed naming the failed ranks
+    print(summary.eval_loss, summary.final_url)
+
+A run lives in the store (``<store>/<run_id>``), so ``Run.attach(url)`` in another process sees
+the same status, logs and handles, and can cancel it. ``launch`` checks everything it can *before*
+creating the run or starting a replica (see :mod:`diloco_serverless.launcher.preflight`): executor and GPU
+type, SDK and tokens, the store (a probe object is written, read back and deleted), the config.
+
+Failure: bad input raises :class:`LaunchError` (a ``ValueError``) with a one-line fix and leaves
+nothing behind; a replica that fails for good makes :meth:`Run.wait` raise :class:`RunFailed`
+naming the rank and reason; :meth:`Run.wait` with ``max_usd`` cancels the run and raises
+:class:`BudgetExceeded` before the estimate crosses the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from diloco_serverless.config import RunConfig
+from diloco_serverless.errors import DilocoError, LaunchError, one_line
+from diloco_serverless.executors.registry import executor_from_launch, executor_kind
+from diloco_serverless.launcher import pricing
+from diloco_serverless.launcher.plot import curves, plot_losses
+from diloco_serverless.launcher.preflight import check_launch, resolve_config
+from diloco_serverless.launcher.replicas import (
+    executor_cancel,
+    executor_logs,
+    handle_rank,
+    launch_replicas,
+    poll_states,
+)
+from diloco_serverless.launcher.status import (
+    CANCELLED,
+    FAILED,
+    TERMINAL,
+    RunStatus,
+    billed_seconds,
+    build_replica,
+    run_state,
+)
+from diloco_serverless.run.layout import (
+    FINAL_PREFIX,
+    METRICS_PREFIX,
+    log_key,
+    metrics_prefix,
+)
+from diloco_serverless.run.members import read_members
+from diloco_serverless.run.record import RunRecord, create_run, load_run, record_launch
+from diloco_serverless.store.errors import ObjectNotFound
+from diloco_serverless.store.objectstore import ObjectStore
+
+__all__ = ["launch", "Run", "LaunchError", "RunFailed", "BudgetExceeded"]
+
+#: A running replica whose heartbeat is older than this (or than 3 rounds' wall time, when rounds
+#: are slower) is shown as ``stale``: heartbeats are written once per round.
+STALE_AFTER_S = 300.0
+
+
+class RunFailed(DilocoError, RuntimeError):
+    """The run ended with failed (or cancelled) replicas; ``status`` holds the final RunStatus."""
+
+    def __init__(self, message: str, status: RunStatus) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BudgetExceeded(RunFailed):
+    """``max_usd`` would have been exceeded, so the run was cancelled."""
+
+
+class Run:
+    """A handle on one run in the store: status, wait, cancel, logs, metrics, plot.
+
+    Build it with :func:`launch` or :meth:`Run.attach`; both are cheap to repeat.
+    """
+
+    def __init__(self, store: ObjectStore, record: RunRecord, executor: Any | None = None,
+                 executor_error: str | None = None) -> None:
+        self._store = store
+        self.record = record
+        self._executor = executor
+        self._executor_error = executor_error
+        self._metrics_cache: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def url(self) -> str:
+        """``<store_url>/<run_id>``: pass it to ``diloco status`` or :meth:`Run.attach`."""
+        return self._store.url
+
+    @property
+    def run_id(self) -> str:
+        return self.record.run_id
+
+    @property
+    def config(self) -> RunConfig:
+        return self.record.config
+
+    @property
+    def handles(self) -> list[dict[str, Any]]:
+        """Executor handles recorded in run.json (empty before launch)."""
+        return list((self.record.launch or {}).get("handles", []))
+
+    @property
+    def executor_kind(self) -> str | None:
+        return (self.record.launch or {}).get("executor")
+
+    @property
+    def gpu(self) -> str | None:
+        return (self.record.launch or {}).get("gpu")
+
+    def __repr__(self) -> str:
+        return f"Run({self.url!r})"
+
+    @classmethod
+    def attach(cls, url: str, *, executor: Any | None = None,
+               storage_options: dict[str, Any] | None = None) -> Run:
+        """Open an existing run. Raises ``RunNotFound`` (a FileNotFoundError) if there is none.
+
+        The executor is rebuilt from the launch record; when its SDK or token is missing here
+        (e.g. a Modal run looked at from a laptop without ``modal``), status falls back to
+        heartbeats and :meth:`cancel` raises a LaunchError saying what to install.
+        """
+        store, record = load_run(url, storage_options)
+        error = None
+        if executor is None and record.launch:
+            executor, error = executor_from_launch(record.launch)
+        return cls(store, record, executor, error)
+
+    # ------------------------------------------------------------------ reading
+    def refresh(self) -> None:
+        """Re-read run.json (the launch record may have changed)."""
+        self._store, self.record = load_run(self._store)
+
+    def metrics(self) -> dict[int, list[dict[str, Any]]]:
+        """Every metrics record, grouped by rank, each list sorted by round.
+
+        Metrics objects are written once per rank and round, so only keys not seen before are
+        fetched (one LIST per call plus GETs of the new objects): ``status --watch`` stays cheap.
+        """
+        keys = [k for k in self._store.list(METRICS_PREFIX + "/") if k.endswith(".json")]
+        new = [k for k in keys if k not in self._metrics_cache]
+        for key, raw in self._store.get_many(new, missing_ok=True).items():
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except ValueError:
+                continue  # being rewritten or corrupt; skipped like run.read_metrics does
+            if isinstance(rec, dict):
+                self._metrics_cache[key] = rec
+        out: dict[int, list[dict[str, Any]]] = {}
+        for key in sorted(self._metrics_cache):
+            rec = self._metrics_cache[key]
+            out.setdefault(int(rec.get("rank", -1)), []).append(rec)
+        return out
+
+    def latest_metrics(self, rank: int = 0) -> dict[str, Any] | None:
+        """Rank ``rank``'s metrics record of its latest round (one LIST and one GET), or None."""
+        keys = sorted(k for k in self._store.list(metrics_prefix(rank) + "/") if k.endswith(".json"))
+        if not keys:
+            return None
+        try:
+            rec = json.loads(self._store.get(keys[-1]).decode("utf-8"))
+        except (ValueError, ObjectNotFound):
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def status(self, *, now: float | None = None, with_metrics: bool = True) -> RunStatus:
+        """Per-replica state (executor poll + heartbeat), totals and estimated spend.
+
+        ``with_metrics=False`` skips reading the per-round metrics (no eval loss; losses from the
+        heartbeats only): a few requests per run, for listing many runs.
+        """
+        now = time.time() if now is None else now
+        metrics = self.metrics() if with_metrics else {}
+        train, eval_curve = curves(metrics)
+        walls = [float(recs[-1].get("wall_s") or 0.0) for recs in metrics.values() if recs]
+        stale_after_s = max([STALE_AFTER_S, *(3.0 * w for w in walls)])
+        members = {r: _outer(hb.to_json_dict(), self.config.exchange.fragments, train.get(r))
+                   for r, hb in read_members(self._store).items()}
+        states = poll_states(self._executor, self.handles) if self.handles else {}
+        n = self.config.replicas
+        replicas = [build_replica(r, states.get(r), members.get(r), now, stale_after_s) for r in range(n)]
+        start = _launched_at(self.record)
+        elapsed = max(0.0, now - start) if start is not None and self.handles else 0.0
+        ages = [r.heartbeat_age_s for r in replicas if r.heartbeat_age_s is not None]
+        if ages and all(r.state in TERMINAL for r in replicas):
+            elapsed = max(0.0, elapsed - min(ages))  # a finished run's wall time ends at its last heartbeat
+        price = self.usd_per_replica_hour
+        est = None if price is None else price * sum(billed_seconds(replicas, elapsed)) / 3600.0
+        final = f"{self.url}/{FINAL_PREFIX}" if self._has_final() else None
+        return RunStatus(
+            run_id=self.run_id, url=self.url, executor=self.executor_kind, gpu=self.gpu,
+            rounds_total=self.config.rounds, replicas=replicas,
+            state=run_state(replicas, self.config.effective_min_replicas), elapsed_s=elapsed,
+            est_usd=est, eval_loss=eval_curve[-1][1] if eval_curve else None, final_url=final,
+            failures=[(r.rank, r.reason or r.state) for r in replicas if r.state == FAILED],
+        )
+
+    def _has_final(self) -> bool:
+        return bool(self._store.list(FINAL_PREFIX + "/"))
+
+    def logs(self, rank: int, *, tail: int | None = None) -> str:
+        """Rank ``rank``'s log: from the executor, else ``<run>/logs/rank-<r>.log`` in the store."""
+        self._check_rank(rank)
+        handle = next((h for h in self.handles if handle_rank(h) == rank), None)
+        text: str | None = None
+        why = "the replica may not have started"
+        if self._executor is not None and handle is not None:
+            try:
+                text = executor_logs(self._executor, handle, tail)
+            except Exception as e:  # noqa: BLE001 - fall back to the copy in the store
+                why = f"the {self.executor_kind} executor could not read it: {one_line(str(e)) or type(e).__name__}"
+        if text is None:
+            key = log_key(rank)
+            if not self._store.exists(key):
+                raise LaunchError(f"no log for rank {rank} of {self.url} yet; {why}")
+            text = self._store.get(key).decode("utf-8", errors="replace")
+            if tail is not None:
+                text = "".join(text.splitlines(keepends=True)[-tail:])
+        return text
+
+    def _check_rank(self, rank: int) -> None:
+        n = self.config.replicas
+        if not 0 <= rank < n:
+            raise LaunchError(f"rank {rank} is not in run {self.run_id}: it has ranks 0..{n - 1}")
+
+    def plot(self, out: str | Path) -> Path:
+        """Write the loss curves PNG (see :func:`diloco_serverless.launcher.plot.plot_losses`)."""
+        return plot_losses(self.metrics(), out, title=self.run_id)
+
+    # ------------------------------------------------------------------ control
+    def cancel(self) -> None:
+        """Cancel every replica through the executor recorded in run.json."""
+        if not self.handles:
+            raise LaunchError(f"run {self.url} has no launched replicas to cancel")
+        if self._executor is None:
+            raise LaunchError(f"cannot cancel {self.url}: {self._executor_error or 'no executor'}")
+        executor_cancel(self._executor, self.handles)
+
+    def wait(self, *, timeout_s: float | None = None, poll_interval_s: float = 2.0,
+             on_update: Callable[[RunStatus], None] | None = None,
+             max_usd: float | None = None) -> RunStatus:
+        """Poll until the run ends; return its final RunStatus.
+
+        Raises RunFailed naming every failed rank (with the executor's reason), BudgetExceeded
+        after cancelling the run when the next poll interval could cross ``max_usd``, and
+        TimeoutError (the run keeps going) after ``timeout_s``.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        price = self.usd_per_replica_hour
+        if max_usd is not None and price is None:
+            raise LaunchError(f"cannot enforce max_usd for run {self.run_id}: no price known for "
+                              f"{self.executor_kind} GPU {self.gpu!r}; add it to diloco_serverless/pricing.py")
+        while True:
+            status = self.status()
+            if on_update is not None:
+                on_update(status)
+            if status.done:
+                return self._finish(status)
+            if max_usd is not None and _over_budget(status, price or 0.0, poll_interval_s, max_usd):
+                self.cancel()
+                raise BudgetExceeded(
+                    f"cancelled run {self.run_id}: estimated spend {status.est_usd or 0:.2f} USD would "
+                    f"exceed --max-usd {max_usd:.2f} before the next check; raise --max-usd to go further",
+                    status)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.url} still {status.state} after {timeout_s:.0f}s; it keeps running")
+            time.sleep(poll_interval_s)
+
+    @property
+    def usd_per_replica_hour(self) -> float | None:
+        """Price of one replica-hour recorded at launch (from :mod:`pricing`), or None if unknown."""
+        launch = self.record.launch or {}
+        if launch.get("usd_per_replica_hour") is not None:
+            return float(launch["usd_per_replica_hour"])
+        return _price_of(self.executor_kind, self.gpu, None)
+
+    def _finish(self, status: RunStatus) -> RunStatus:
+        live = [r.rank for r in status.replicas if r.state not in TERMINAL]
+        if status.state == FAILED and live and self._executor is not None:
+            self.cancel()  # too few replicas left to finish: stop the rest instead of billing them
+            status = replace(status, failures=status.failures + [(r, "cancelled: run failed") for r in live])
+        if status.state == FAILED or status.failures:
+            detail = "; ".join(f"rank {r}: {why}" for r, why in status.failures) or "see `diloco logs`"
+            raise RunFailed(f"run {self.run_id} failed: {detail}", status)
+        if status.state == CANCELLED:
+            raise RunFailed(f"run {self.run_id} was cancelled", status)
+        return status
+
+
+def _outer(heartbeat: dict[str, Any], fragments: int, train_curve: list[tuple[float, float]] | None) -> dict[str, Any]:
+    """A heartbeat as status shows it: ``round`` counted in outer rounds done (the heartbeat counts
+    fragment syncs) and, when the heartbeat carries no loss (evaluating, done), the rank's latest
+    training loss from its metrics."""
+    hb = dict(heartbeat)
+    if hb.get("round") is not None and fragments > 1:
+        hb["round"] = int(hb["round"]) // fragments
+    if hb.get("loss") is None and train_curve:
+        hb["loss"] = train_curve[-1][1]
+    return hb
+
+
+def _over_budget(status: RunStatus, usd_per_hour: float, horizon_s: float, max_usd: float) -> bool:
+    live = sum(r.state not in TERMINAL for r in status.replicas)
+    return pricing.would_exceed(status.est_usd or 0.0, usd_per_hour, live, horizon_s * 2, max_usd)
+
+
+def _price_of(kind: str | None, gpu: str | None, executor: Any | None) -> float | None:
+    """USD per replica-hour: the executor's own ``usd_per_replica_hour`` or the price table's."""
+    own = getattr(executor, "usd_per_replica_hour", None)
+    if isinstance(own, (int, float)):
+        return float(own)
+    return pricing.usd_per_replica_hour(kind, gpu) if kind is not None else None
+
+
+def _launched_at(record: RunRecord) -> float | None:
+    stamp = (record.launch or {}).get("launched_at") or record.created_at
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def launch(config: RunConfig | str | Path | None = None, executor: Any = "local", *,
+           overrides: Sequence[str] = (), replicas: int | None = None, store: str | None = None,
+           run_id: str | None = None, gpu: str | None = None,
+           store_from_terraform: str | Path | None = None,
+           executor_options: dict[str, Any] | None = None,
+           storage_options: dict[str, Any] | None = None) -> Run:
+    """Validate, create the run in the store, start its replicas, record their handles.
+
+    ``config`` is a RunConfig, a TOML path, or None for the defaults; ``overrides`` are
+    ``key=value`` strings applied on top (on an object via :meth:`RunConfig.with_overrides`,
+    on a file or the defaults via :meth:`RunConfig.load`); ``replicas``/``store``/``run_id``
+    win over both.
+    ``executor`` is a kind ("local", "modal", "hf-jobs") built with ``executor_options`` and
+    ``gpu``, or a ready ServerlessExecutor. ``store_from_terraform`` names a Terraform directory
+    (or saved ``terraform output -json`` file) whose ``exchange_url`` becomes the store.
+
+    Raises LaunchError before anything is created when any input is wrong.
+    """
+    cfg = resolve_config(config, overrides, replicas=replicas, store=store, run_id=run_id,
+                         store_from_terraform=store_from_terraform)
+    plan = check_launch(cfg, executor, gpu=gpu, executor_options=executor_options,
+                        storage_options=storage_options)
+    run_store, record = create_run(plan.root, cfg)
+    kind = executor_kind(plan.executor, plan.kind)
+    try:
+        handles = launch_replicas(plan.executor, cfg.replicas, run_store.url)
+    except Exception as e:
+        record_launch(run_store, kind, [], gpu=plan.gpu, error=one_line(str(e))[:500])
+        raise LaunchError(f"launching replicas of {run_store.url} failed: {one_line(str(e))}") from e
+    record = record_launch(run_store, kind, handles, gpu=plan.gpu, replicas=cfg.replicas,
+                           usd_per_replica_hour=_price_of(kind, plan.gpu, plan.executor))
+    return Run(run_store, record, plan.executor)

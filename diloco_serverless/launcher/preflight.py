@@ -1,0 +1,193 @@
+"""Checks ``diloco launch`` runs before it creates a run or starts (and bills) any replica.
+
+In order, cheapest first: the config and overrides, ``--replicas``, the executor kind and GPU type,
+whether the store is reachable from where the replicas run, the executor's SDK and tokens (its
+constructor checks them), a probe object written, read back and deleted in the store, and that the
+run id is free. Each failure is a :class:`LaunchError` whose message is one line naming the bad
+value and the fix; nothing has been created when it is raised (the probe object is removed).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from diloco_serverless.config import RunConfig, tomllib
+from diloco_serverless.errors import ConfigError, LaunchError, StoreError, one_line
+from diloco_serverless.executors.base import ExecutorUnavailable
+from diloco_serverless.executors.modal import normalize_gpu
+from diloco_serverless.executors.registry import (
+    EXECUTOR_KINDS,
+    build_executor,
+    executor_kind,
+)
+from diloco_serverless.launcher import pricing
+from diloco_serverless.launcher.terraform import exchange_url_from_terraform
+from diloco_serverless.run.layout import RUN_JSON
+from diloco_serverless.store.objectstore import ObjectStore
+
+PROBE_PREFIX = ".diloco-probe"
+
+
+@dataclass
+class LaunchPlan:
+    """What preflight established: the store root, the executor (built), its kind and GPU."""
+
+    root: ObjectStore
+    executor: Any
+    kind: str
+    gpu: str | None
+
+
+def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[str], *,
+                   replicas: int | None = None, store: str | None = None, run_id: str | None = None,
+                   store_from_terraform: str | Path | None = None) -> RunConfig:
+    """The RunConfig to launch: file or object, then ``--set`` overrides, then explicit flags."""
+    if replicas is not None and replicas < 1:
+        raise LaunchError(f"--replicas must be at least 1 (got {replicas}); e.g. --replicas 4")
+    if store is not None and store_from_terraform is not None:
+        raise LaunchError("pass either --store or --store-from-terraform, not both")
+    try:
+        if isinstance(config, RunConfig):
+            cfg = config.with_overrides(list(overrides)) if overrides else config
+        else:
+            cfg = RunConfig.load(str(config) if config is not None else None, list(overrides))
+        if store_from_terraform is not None:
+            store = _terraform_store(store_from_terraform)
+        updates = {k: v for k, v in (("replicas", replicas), ("store", store), ("run_id", run_id))
+                   if v is not None}
+        if updates:
+            cfg = RunConfig.from_dict({**cfg.to_json_dict(), **updates}, source="command-line flags")
+    except ConfigError as e:
+        raise LaunchError(one_line(str(e))) from None
+    return cfg
+
+
+def _terraform_store(path: str | Path) -> str:
+    try:
+        return exchange_url_from_terraform(path).rstrip("/")
+    except LaunchError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise LaunchError(one_line(str(e))) from None
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["retries=3", "local_source=true"]`` -> ``{"retries": 3, "local_source": True}`` (TOML values,
+    falling back to plain strings, as ``--set`` does; ``none`` means Python None, e.g. ``install=none``)."""
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise LaunchError(f"--executor-opt {item!r} must look like KEY=VALUE, e.g. -x local_source=true")
+        if text.strip().lower() == "none":
+            out[key.strip()] = None
+            continue
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = text.strip()
+    return out
+
+
+def check_executor_kind(kind: str, gpu: str | None) -> str | None:
+    """Validate the executor kind and GPU type with the executors' own rules; return the canonical GPU.
+
+    Checked before the executor is built, so an unknown GPU is reported even where the SDK or
+    token is missing. ``None`` means the executor's default.
+    """
+    if kind not in EXECUTOR_KINDS:
+        raise LaunchError(f"unknown executor {kind!r}; use --executor local, modal or hf-jobs")
+    if gpu is None:
+        return None
+    if kind == "local":
+        if gpu.strip().lower() != "cpu":
+            raise LaunchError(f"the local executor runs on CPU; drop --gpu {gpu} (or use --executor modal)")
+        return None
+    if kind == "modal":
+
+        try:
+            return normalize_gpu(gpu)
+        except ExecutorUnavailable as e:
+            raise LaunchError(f"{e}; e.g. --gpu H100") from None
+    flavors = _hf_flavors()
+    if gpu not in flavors:
+        raise LaunchError(f"unknown HF Jobs flavor {gpu!r}; use one of: {', '.join(sorted(flavors))}")
+    return gpu
+
+
+def _hf_flavors() -> set[str]:
+    """HF Jobs flavors from ``huggingface_hub.JobHardware``, or the price table without the SDK."""
+    try:
+        from huggingface_hub import JobHardware
+
+        return {f.value for f in JobHardware}
+    except ImportError:
+        return set(pricing.HF_JOBS_USD_PER_HOUR)
+
+
+def check_store_reachable(store_url: str, kind: str) -> None:
+    """Replicas must be able to open the store: memory:// is per-process, folders are per-machine."""
+    scheme = store_url.split("://", 1)[0] if "://" in store_url else "file"
+    if scheme == "memory":
+        raise LaunchError(f"store {store_url} lives in one process and replicas are separate processes; "
+                          "use a folder (--store ./runs) or a bucket (s3://..., gs://...)")
+    if kind != "local" and scheme == "file":
+        raise LaunchError(f"{kind} replicas run in the cloud and cannot see the local folder {store_url}; "
+                          "use --store s3://bucket/prefix or gs://bucket/prefix (or --store-from-terraform)")
+
+
+def probe_store(root: ObjectStore) -> None:
+    """Write, read back and delete a small object under the store root; LaunchError if any step fails."""
+    key = f"{PROBE_PREFIX}-{uuid.uuid4().hex}"
+    payload = b"diloco-serverless store probe"
+    try:
+        root.put(key, payload)
+        try:
+            if root.get(key) != payload:
+                raise LaunchError(f"store {root.url} returned different bytes for probe object {key}; "
+                                  "check the endpoint (AWS_ENDPOINT_URL) points at a real object store")
+        finally:
+            root.delete(key)
+    except StoreError as e:
+        raise LaunchError(f"cannot use store {root.url}: {one_line(str(e))}") from None
+
+
+def check_run_free(root: ObjectStore, run_id: str) -> None:
+    if root.exists(f"{run_id}/{RUN_JSON}"):
+        raise LaunchError(f"run {root.url}/{run_id} already exists; pick another --run-id or omit it "
+                          "for a fresh one")
+
+
+def check_launch(cfg: RunConfig, executor: Any, *, gpu: str | None = None,
+                 executor_options: dict[str, Any] | None = None,
+                 storage_options: dict[str, Any] | None = None) -> LaunchPlan:
+    """Run every check; build the executor; return the plan. LaunchError on the first problem."""
+    if isinstance(executor, str):
+        kind = executor
+        gpu = check_executor_kind(kind, gpu)
+        check_store_reachable(cfg.store, kind)
+        options = dict(executor_options or {})
+        if kind == "local" and options.get("secrets"):
+            raise LaunchError("--secret is for modal and hf-jobs replicas; local replicas inherit your environment")
+        built = build_executor(kind, gpu, options)
+        gpu = getattr(built, "gpu", None) or getattr(built, "flavor", None) or gpu
+    else:
+        built = executor
+        kind = executor_kind(executor, "custom")
+        gpu = gpu or getattr(executor, "gpu", None) or getattr(executor, "flavor", None)
+        if kind in EXECUTOR_KINDS:
+            check_store_reachable(cfg.store, kind)
+    try:
+        root = ObjectStore(cfg.store, storage_options)
+    except (StoreError, ValueError, ImportError) as e:
+        raise LaunchError(f"cannot open store {cfg.store}: {one_line(str(e))}") from None
+    probe_store(root)
+    try:
+        check_run_free(root, cfg.run_id)
+    except StoreError as e:
+        raise LaunchError(f"cannot read store {root.url}: {one_line(str(e))}") from None
+    return LaunchPlan(root=root, executor=built, kind=kind, gpu=gpu)

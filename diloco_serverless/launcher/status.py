@@ -1,0 +1,180 @@
+"""What a run is doing: executor states merged with the heartbeats replicas write to the store.
+
+Pure functions over plain data (no I/O), so ``diloco status``, ``Run.status()`` and the launch
+progress display share one definition of "state", and tests can build any situation by hand.
+
+A replica's state comes from the executor's ``poll`` when the executor is reachable (it knows
+about crashes, restarts and cancellation); otherwise from its heartbeat in
+``<run>/members/rank-<r>.json``. A heartbeat older than ``stale_after_s`` marks a running replica
+``stale`` (it may be preempted or hung); it is a hint, not a verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco_serverless.executors.base import ReplicaStatus
+from diloco_serverless.run.members import HEARTBEAT_DONE, HEARTBEAT_FAILED
+
+#: A replica's state in ``diloco status``: the executor's states (one definition, ReplicaStatus) ...
+PENDING, RUNNING = ReplicaStatus.PENDING.value, ReplicaStatus.RUNNING.value
+SUCCEEDED, FAILED, CANCELLED = ReplicaStatus.SUCCEEDED.value, ReplicaStatus.FAILED.value, ReplicaStatus.CANCELLED.value
+#: ... plus two that only status can tell: a silent heartbeat, and an executor that could not be asked.
+STALE, UNKNOWN = "stale", "unknown"
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+
+#: Heartbeat ``state`` values a replica may write, mapped onto executor states (the first two are
+#: what :mod:`diloco_serverless.trainer.loop` writes; the rest are accepted from other writers).
+_HEARTBEAT_STATES: dict[str, str] = {
+    HEARTBEAT_DONE: SUCCEEDED, HEARTBEAT_FAILED: FAILED, "finished": SUCCEEDED, "succeeded": SUCCEEDED,
+    "completed": SUCCEEDED, "error": FAILED, "cancelled": CANCELLED,
+}
+
+
+@dataclass(frozen=True)
+class ExecutorState:
+    """One replica as the executor sees it (normalised from the executor's ``ReplicaState``)."""
+
+    state: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """One row of ``diloco status``."""
+
+    rank: int
+    state: str
+    round: int | None = None
+    step: int | None = None
+    loss: float | None = None
+    attempt: int | None = None
+    heartbeat_age_s: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    reason: str | None = None
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_up + self.bytes_down
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """The whole run: per-replica rows, totals and the spend estimate."""
+
+    run_id: str
+    url: str
+    executor: str | None
+    gpu: str | None
+    rounds_total: int | None
+    replicas: list[ReplicaReport]
+    state: str
+    elapsed_s: float
+    est_usd: float | None = None
+    eval_loss: float | None = None
+    final_url: str | None = None
+    failures: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def round(self) -> int | None:
+        """The furthest round any replica has reported (rounds are 0-based)."""
+        rounds = [r.round for r in self.replicas if r.round is not None]
+        return max(rounds) if rounds else None
+
+    @property
+    def loss(self) -> float | None:
+        """Mean of the replicas' latest training losses."""
+        losses = [r.loss for r in self.replicas if r.loss is not None]
+        return sum(losses) / len(losses) if losses else None
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(r.bytes_moved for r in self.replicas)
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+
+def replica_state(executor: ExecutorState | None, heartbeat: Mapping[str, Any] | None,
+                  heartbeat_age_s: float | None, stale_after_s: float) -> tuple[str, str | None]:
+    """Merge what the executor and the heartbeat say about one replica into (state, reason)."""
+    if executor is not None and executor.state != UNKNOWN:
+        state = executor.state
+        if state == RUNNING and heartbeat_age_s is not None and heartbeat_age_s > stale_after_s:
+            return STALE, f"no heartbeat for {heartbeat_age_s:.0f}s"
+        return state, executor.reason
+    if heartbeat is None:
+        return (PENDING, None) if executor is None else (UNKNOWN, executor.reason)
+    mapped = _HEARTBEAT_STATES.get(str(heartbeat.get("state", "")).lower())
+    if mapped is not None:
+        return mapped, heartbeat.get("message") or heartbeat.get("error") or heartbeat.get("reason")
+    if heartbeat_age_s is not None and heartbeat_age_s > stale_after_s:
+        return STALE, f"no heartbeat for {heartbeat_age_s:.0f}s"
+    return RUNNING, None
+
+
+def run_state(replicas: Sequence[ReplicaReport], min_replicas: int) -> str:
+    """The run's state: failed once too few replicas can still finish, else the least-done state.
+
+    A failed or cancelled replica does not fail the run while at least ``min_replicas`` others
+    are alive (the exchange continues without it); the run is ``failed`` at the end if any rank
+    failed, so the launcher exits non-zero naming that rank.
+    """
+    states = [r.state for r in replicas]
+    if not states:
+        return PENDING
+    alive = sum(s not in TERMINAL for s in states)
+    succeeded = states.count(SUCCEEDED)
+    if alive == 0:
+        if FAILED in states:
+            return FAILED
+        return SUCCEEDED if succeeded == len(states) else CANCELLED
+    if FAILED in states and alive + succeeded < min_replicas:
+        return FAILED
+    if CANCELLED in states and alive + succeeded < min_replicas:
+        return CANCELLED
+    if all(s in (PENDING, UNKNOWN) for s in states):
+        return PENDING
+    return RUNNING
+
+
+def build_replica(rank: int, executor: ExecutorState | None, heartbeat: Mapping[str, Any] | None,
+                  now: float, stale_after_s: float) -> ReplicaReport:
+    """One ``ReplicaReport`` from the executor's view and the rank's heartbeat (either may be None)."""
+    hb = dict(heartbeat or {})
+    age = now - float(hb["time"]) if hb.get("time") is not None else None
+    state, reason = replica_state(executor, heartbeat, age, stale_after_s)
+    return ReplicaReport(
+        rank=rank, state=state, round=_opt_int(hb.get("round")), step=_opt_int(hb.get("step")),
+        loss=_opt_float(hb.get("loss")), attempt=_opt_int(hb.get("attempt")), heartbeat_age_s=age,
+        bytes_up=int(hb.get("bytes_up") or 0), bytes_down=int(hb.get("bytes_down") or 0),
+        reason=reason,
+    )
+
+
+def billed_seconds(replicas: Sequence[ReplicaReport], elapsed_s: float) -> list[float]:
+    """Seconds each replica has been billed for, approximately.
+
+    A live replica is billed for the whole time since launch; a finished one until its last
+    heartbeat (``elapsed_s - heartbeat_age_s``). Pending replicas count too: clouds may bill
+    container start-up.
+    """
+    out = []
+    for r in replicas:
+        if r.state in TERMINAL and r.heartbeat_age_s is not None:
+            out.append(max(0.0, elapsed_s - r.heartbeat_age_s))
+        else:
+            out.append(elapsed_s)
+    return out
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)

@@ -1,0 +1,263 @@
+"""A run's layout in the object store: run.json, heartbeats, metrics, and every key in between.
+
+The bucket is the only thing replicas and the CLI share, so a run *is* its folder
+``<store_url>/<run_id>`` (DESIGN.md, "A run in the store")::
+
+    run.json                                 {"run_id", "created_at", "version", "config", "launch"}
+    members/rank-<r>.json                    heartbeat (see :class:`Heartbeat`)
+    rounds/<round:08d>/ready/rank-<r>        exchange objects (written by allreduce.py)
+    rounds/<round:08d>/quorum.json
+    rounds/<round:08d>/contrib/<shard:04d>/rank-<r>
+    rounds/<round:08d>/reduced/<shard:04d>
+    checkpoints/<round:08d>/...   checkpoints/latest.json
+    metrics/rank-<r>/<round:08d>.json
+    logs/rank-<r>.log
+    final/                                   save_pretrained output
+
+Key builders here are pure functions; every other module builds keys through them. Helpers take an
+``ObjectStore`` rooted at the run (what :func:`load_run` returns). ``run.json`` is created with
+create-only semantics (``put_if_absent``), so two launches can never share a run id.
+
+Failure: :class:`RunNotFound` when a URL holds no run.json, :class:`InvalidRun` when it is not JSON
+or its config does not validate, :class:`RunExists` when creating over an existing run; every message
+names the URL and says what to do. Store errors (access denied, unavailable) propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from diloco_serverless.config import RunConfig, find_secret
+from diloco_serverless.errors import ConfigError, RunError
+from diloco_serverless.run.layout import RUN_JSON, RUN_VERSION
+from diloco_serverless.store.errors import ObjectNotFound
+from diloco_serverless.store.objectstore import ObjectStore
+
+__all__ = [
+    "InvalidRun",
+    "RunExists",
+    "RunNotFound",
+    "RunRecord",
+    "create_run",
+    "join_run_url",
+    "list_runs",
+    "load_run",
+    "open_run_store",
+    "record_launch",
+    "split_run_url",
+]
+
+
+class RunNotFound(RunError, FileNotFoundError):
+    """No run.json at the URL."""
+
+
+class RunExists(RunError, FileExistsError):
+    """create_run found a run.json already there."""
+
+
+class InvalidRun(RunError, ValueError):
+    """run.json exists but is not JSON, misses fields, or its config does not validate."""
+
+
+def split_run_url(run_url: str) -> tuple[str, str]:
+    """``"s3://b/prefix/run-x"`` -> ``("s3://b/prefix", "run-x")``; a bare ``"run-x"`` -> ``(".", "run-x")``.
+
+    Raises ValueError when the URL has no run id component (e.g. ``"s3://bucket"``).
+    """
+    url = run_url.strip().rstrip("/")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "/" not in rest:
+        if scheme or not rest:
+            raise ValueError(
+                f"run URL {run_url!r} has no run id; expected <store_url>/<run_id>, e.g. s3://bucket/runs/run-x"
+            )
+        return ".", rest
+    parent, run_id = rest.rsplit("/", 1)
+    if not run_id:
+        raise ValueError(f"run URL {run_url!r} has no run id; expected <store_url>/<run_id>")
+    return (f"{scheme}://{parent}" if scheme else (parent or "/")), run_id
+
+
+def join_run_url(store_url: str, run_id: str) -> str:
+    """``<store_url>/<run_id>`` without doubled slashes."""
+    return f"{store_url.rstrip('/')}/{run_id}"
+
+
+# --------------------------------------------------------------------------------- run.json
+def _utc_now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """The parsed ``run.json``: identity, validated config and launch record (executor + handles)."""
+
+    run_id: str
+    created_at: str
+    version: int
+    config: RunConfig
+    launch: dict[str, Any] | None = None
+    url: str = ""  # where it was read from; not stored
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The JSON object stored as run.json."""
+        return {
+            "run_id": self.run_id,
+            "created_at": self.created_at,
+            "version": self.version,
+            "config": self.config.to_json_dict(),
+            "launch": self.launch,
+        }
+
+    @classmethod
+    def from_json_dict(cls, data: Any, *, url: str) -> RunRecord:
+        """Parse run.json content; InvalidRun naming ``url`` and the problem on failure."""
+        if not isinstance(data, dict):
+            raise InvalidRun(f"{url}/{RUN_JSON} is not a JSON object; the run is corrupt, launch a new one")
+        missing = [k for k in ("run_id", "created_at", "version", "config") if k not in data]
+        if missing:
+            raise InvalidRun(f"{url}/{RUN_JSON} lacks {missing}; it was not written by diloco, launch a new run")
+        if not isinstance(data["version"], int) or data["version"] > RUN_VERSION:
+            raise InvalidRun(
+                f"{url}/{RUN_JSON} has version {data['version']!r}, this diloco-serverless reads <= {RUN_VERSION}; "
+                "upgrade the package"
+            )
+        try:
+            config = RunConfig.from_dict(data["config"], source=f"{url}/{RUN_JSON}")
+        except ConfigError as exc:
+            raise InvalidRun(str(exc)) from None
+        launch = data.get("launch")
+        if launch is not None and not isinstance(launch, dict):
+            raise InvalidRun(f"{url}/{RUN_JSON}: 'launch' must be an object or null, got {type(launch).__name__}")
+        return cls(str(data["run_id"]), str(data["created_at"]), data["version"], config, launch, url)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=False).encode("utf-8")
+
+
+def open_run_store(run_url: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
+    """An ObjectStore rooted at the run (no I/O)."""
+    return ObjectStore(run_url, storage_options)
+
+
+def create_run(
+    store: ObjectStore | str | None, config: RunConfig, *, storage_options: dict[str, Any] | None = None
+) -> tuple[ObjectStore, RunRecord]:
+    """Create ``<store>/<config.run_id>/run.json`` create-only; returns (run store, record).
+
+    ``store`` is the store root (ObjectStore or URL; None = ``config.store``). The recorded config's
+    ``store`` is the normalised store URL, and a relative local ``data.source`` is made absolute, so
+    replicas started elsewhere read the same locations.
+    Raises RunExists if the run id is taken.
+    """
+    root = store if isinstance(store, ObjectStore) else ObjectStore(store or config.store, storage_options)
+    config = config.model_copy(update={"store": root.url, "data": _absolute_data_source(config)})
+    run_store = root.child(config.run_id)
+    record = RunRecord(config.run_id, _utc_now_iso(), RUN_VERSION, config, None, run_store.url)
+    if not run_store.put_if_absent(RUN_JSON, _dumps(record.to_json_dict())):
+        raise RunExists(
+            f"run {run_store.url} already exists; choose another run id (--set run_id=...) "
+            f"or attach to it with `diloco status {run_store.url}`"
+        )
+    return run_store, record
+
+
+def _absolute_data_source(config: RunConfig) -> Any:
+    """``data`` with a relative local JSONL path made absolute (local replicas may run elsewhere)."""
+    source = config.data.source
+    if source == "stdlib" or "://" in source or not Path(source).exists():
+        return config.data
+    return config.data.model_copy(update={"source": str(Path(source).resolve())})
+
+
+def _read_record(run_store: ObjectStore) -> RunRecord:
+    try:
+        raw = run_store.get(RUN_JSON)
+    except ObjectNotFound:
+        raise RunNotFound(
+            f"no run at {run_store.url}: {RUN_JSON} does not exist; check the run URL "
+            "(list runs with `diloco ls <store_url>`)"
+        ) from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRun(f"{run_store.url}/{RUN_JSON} is not valid JSON ({exc}); the run is corrupt") from None
+    return RunRecord.from_json_dict(data, url=run_store.url)
+
+
+def load_run(
+    run_url: str | ObjectStore, storage_options: dict[str, Any] | None = None
+) -> tuple[ObjectStore, RunRecord]:
+    """Open the run at ``run_url`` -> (store rooted at the run, its RunRecord).
+
+    Raises RunNotFound / InvalidRun naming the URL; store errors (StoreAccessDenied, StoreUnavailable)
+    propagate with their own message.
+    """
+    run_store = run_url if isinstance(run_url, ObjectStore) else ObjectStore(run_url, storage_options)
+    return run_store, _read_record(run_store)
+
+
+def _refuse_secret_values(obj: Any, where: str) -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _refuse_secret_values(v, f"{where}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _refuse_secret_values(v, f"{where}[{i}]")
+    elif isinstance(obj, str) and (kind := find_secret(obj)) is not None:
+        raise ValueError(f"{where} looks like {kind}; never record credentials in run.json, keep them in the env")
+
+
+def record_launch(
+    run_url: str | ObjectStore,
+    executor_kind: str,
+    handles: list[dict[str, Any]],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    **extra: Any,
+) -> RunRecord:
+    """Store the launch record ``{"executor", "handles", "launched_at", **extra}`` in run.json.
+
+    Handles must be JSON-serialisable dicts ({"kind", "rank", ...}); values that look like secrets are
+    refused (ValueError). Overwrites any previous launch record (a relaunch). Returns the new record.
+    """
+    run_store, record = load_run(run_url, storage_options)
+    launch = {"executor": executor_kind, "handles": list(handles), "launched_at": _utc_now_iso(), **extra}
+    _refuse_secret_values(launch, "launch")
+    try:
+        json.dumps(launch)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"launch record for {run_store.url} is not JSON-serialisable: {exc}") from None
+    new = RunRecord(record.run_id, record.created_at, record.version, record.config, launch, run_store.url)
+    run_store.put(RUN_JSON, _dumps(new.to_json_dict()))
+    return new
+
+
+# --------------------------------------------------------------------------------- listing
+def list_runs(store: ObjectStore | str, storage_options: dict[str, Any] | None = None) -> list[RunRecord]:
+    """Runs directly under a store URL (folders holding a run.json), oldest first.
+
+    Reads one delimited listing of the store's top-level folders and fetches their
+    ``<folder>/run.json`` concurrently; it never lists the rounds inside a run, so it stays
+    fast on a large S3/GCS prefix. Runs whose run.json is unreadable are skipped with a
+    warning naming them; folders without one are ignored.
+    """
+    root = store if isinstance(store, ObjectStore) else ObjectStore(store, storage_options)
+    keys = [f"{folder}/{RUN_JSON}" for folder in root.list_dirs("")]
+    out: list[RunRecord] = []
+    for key, raw in sorted(root.get_many(keys, missing_ok=True).items()):
+        url = join_run_url(root.url, key.split("/", 1)[0])
+        try:
+            out.append(RunRecord.from_json_dict(json.loads(raw.decode("utf-8")), url=url))
+        except (ValueError, RunError) as exc:
+            warnings.warn(f"skipping run {url}: {exc}", stacklevel=2)
+    return sorted(out, key=lambda r: (r.created_at, r.run_id))

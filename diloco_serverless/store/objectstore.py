@@ -1,0 +1,514 @@
+"""ObjectStore: the one storage abstraction every replica shares (DESIGN.md, "A run in the store").
+
+One URL in: ``file:///abs/path`` or a bare path (local), ``memory://name`` (in-process, tests),
+``s3://bucket/prefix`` (s3fs), ``gs://bucket/prefix`` (gcsfs); other fsspec protocols work with
+plain (non-create-only) semantics. Operations: :meth:`put`, :meth:`put_if_absent` (atomic
+create-only, the exchange's one consensus primitive), :meth:`get`, :meth:`get_many` (concurrent),
+:meth:`exists`, :meth:`list` (recursive), :meth:`list_dirs` (one level, delimited), :meth:`delete`.
+
+Create-only per back end:
+
+* S3: ``PutObject`` with ``If-None-Match: *`` (s3fs ``pipe_file(mode="create")``); a 412
+  PreconditionFailed becomes ``FileExistsError`` in s3fs, i.e. ``False`` here.
+* GCS: upload with ``ifGenerationMatch=0`` (gcsfs ``pipe_file(mode="create")``); 412 -> False.
+* Local: a finished temporary file is ``os.link``-ed to the key (see :mod:`store_local`).
+* Memory: check-and-write under a process-wide lock.
+
+Failures: only transient errors are retried (:mod:`store_retry`, :mod:`store_errors`); every
+error is a :class:`StoreError` naming the operation, URL and key. An unreachable store raises
+:class:`StoreUnavailable` within ``RetryPolicy.timeout_s``; denied credentials raise
+:class:`StoreAccessDenied` at once.
+
+Credentials never come from code: standard environment variables (``AWS_*``,
+``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``STORAGE_EMULATOR_HOST``), explicit
+``storage_options``, or the JSON object in ``DILOCO_STORAGE_OPTIONS`` (see
+:func:`storage_options_from_env`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence, TypeVar
+
+import fsspec
+from fsspec.asyn import sync
+
+from diloco_serverless.errors import StoreError
+from diloco_serverless.store import _local as store_local
+from diloco_serverless.store.errors import (
+    ObjectNotFound,
+    StoreAccessDenied,
+    StoreUnavailable,
+    is_transient,
+    translate_error,
+)
+from diloco_serverless.store.retry import RetryPolicy, call_with_retry
+
+__all__ = [
+    "ObjectStore",
+    "RetryPolicy",
+    "StoreError",
+    "ObjectNotFound",
+    "StoreAccessDenied",
+    "StoreUnavailable",
+    "storage_options_from_env",
+    "ENV_STORAGE_OPTIONS",
+]
+
+T = TypeVar("T")
+
+#: Environment variable holding a JSON object of fsspec storage options for remote stores.
+ENV_STORAGE_OPTIONS = "DILOCO_STORAGE_OPTIONS"
+
+_ALIASES = {"gcs": "gs", "s3a": "s3", "local": "file"}
+_MEMORY_LOCK = threading.Lock()
+_MAX_THREADS = 16
+
+
+def storage_options_from_env() -> dict[str, Any]:
+    """The storage options in ``$DILOCO_STORAGE_OPTIONS`` (a JSON object), or ``{}``.
+
+    Lets subprocess replicas reach a custom endpoint without putting anything in run.json.
+    Raises ``ValueError`` naming the variable if it is not a JSON object.
+    """
+    raw = os.environ.get(ENV_STORAGE_OPTIONS, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"${ENV_STORAGE_OPTIONS} is not valid JSON ({exc}); "
+                         "set it to a JSON object such as '{\"endpoint_url\": \"http://...\"}'") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"${ENV_STORAGE_OPTIONS} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _split_url(url: str) -> tuple[str, str, str]:
+    """``url`` -> (protocol, root path as the file system spells it, normalised URL)."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"store URL must be a non-empty string, got {url!r}")
+    url = url.strip()
+    if "://" not in url:
+        root = os.path.abspath(os.path.expanduser(url))
+        return "file", root, _url_for("file", root)
+    proto, rest = url.split("://", 1)
+    proto = _ALIASES.get(proto.lower(), proto.lower())
+    if proto == "file":
+        root = os.path.abspath(os.path.expanduser(rest or "/"))
+    elif proto == "memory":
+        root = "/" + rest.strip("/")
+    else:
+        root = rest.strip("/")
+        if not root:
+            raise ValueError(f"store URL {url!r} names no bucket; use {proto}://<bucket>[/prefix]")
+    return proto, root, _url_for(proto, root)
+
+
+def _url_for(protocol: str, root: str) -> str:
+    """The normalised URL of a store rooted at ``root`` (as the file system spells it)."""
+    if protocol == "file":
+        return "file://" + root
+    return f"{protocol}://{root.strip('/')}"
+
+
+def _check_key(key: str, *, allow_empty: bool = False) -> str:
+    """Validate a '/'-separated relative key; return it without surrounding slashes."""
+    if not isinstance(key, str):
+        raise TypeError(f"store key must be a str, got {type(key).__name__}")
+    stripped = key.strip("/")
+    if not stripped:
+        if allow_empty:
+            return ""
+        raise ValueError("store key must not be empty")
+    if key.startswith("/") or "\\" in key:
+        raise ValueError(f"store key {key!r} must be a relative '/'-separated path")
+    for part in stripped.split("/"):
+        if part in ("", ".", "..") or part.startswith(store_local.TEMP_PREFIX):
+            raise ValueError(f"store key {key!r} has an empty, '.', '..' or reserved component")
+    return stripped
+
+
+def _is_child_key(key: str, prefix: str) -> bool:
+    """True if ``key`` is a valid key one level below the folder ``prefix``."""
+    try:
+        key = _check_key(key)
+    except ValueError:  # a folder name no key can spell (e.g. with a backslash): skip it
+        return False
+    parent, _, _ = key.rpartition("/")
+    return parent == prefix
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; values in ``over`` win."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _default_options(protocol: str, retry: RetryPolicy) -> dict[str, Any]:
+    """Options that make the back end's own retries small, so :class:`RetryPolicy` governs."""
+    if protocol == "s3":
+        connect_s = max(1.0, min(10.0, retry.timeout_s))
+        return {"use_listings_cache": False,
+                "config_kwargs": {"connect_timeout": connect_s, "read_timeout": 60,
+                                  "retries": {"total_max_attempts": 1}}}
+    if protocol == "gs":
+        opts: dict[str, Any] = {"use_listings_cache": False}
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            opts["token"] = "anon"  # an emulator takes no credentials
+        return opts
+    return {}
+
+
+class ObjectStore:
+    """A key -> bytes store rooted at one URL; see the module docstring.
+
+    Args:
+        url: ``file://``/bare path, ``memory://``, ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]``.
+        storage_options: fsspec options (endpoint, credentials); they win over
+            ``$DILOCO_STORAGE_OPTIONS``, which applies to remote protocols only.
+        retry: retry and deadline policy (default :class:`RetryPolicy()`).
+
+    Raises:
+        ValueError: malformed URL; ImportError (from fsspec) if the protocol's extra is missing.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
+                 retry: RetryPolicy | None = None) -> None:
+        self.protocol, self._root, self.url = _split_url(url)
+        self.retry = retry or RetryPolicy()
+        options: dict[str, Any] = {}
+        if self.protocol not in ("file", "memory"):
+            options = _merge(_default_options(self.protocol, self.retry), storage_options_from_env())
+        self._options = _merge(options, dict(storage_options or {}))
+        self._fs: Any = None
+        self._pid = -1
+        self._async = False
+        if self.protocol != "file":
+            self._open_fs()
+
+    def _open_fs(self) -> None:
+        """(Re)create the fsspec file system; also after a fork, whose child must not reuse
+        the parent's event loop and connections (fsspec drops its instance cache on fork)."""
+        # A copy: s3fs edits nested dicts such as config_kwargs in place.
+        self._fs = fsspec.filesystem(self.protocol, **copy.deepcopy(self._options))
+        if self.protocol == "s3":
+            # All retries are ours (RetryPolicy): a create-only PUT whose response was lost and
+            # that s3fs silently retried would report "exists" although we created it.
+            self._fs.retries = 1
+        self._pid = os.getpid()
+        self._async = bool(getattr(self._fs, "async_impl", False))
+
+    # ----------------------------------------------------------------- structure
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.url!r})"
+
+    @property
+    def fs(self) -> Any:
+        """The underlying fsspec file system (``None`` for local stores)."""
+        if self._fs is not None and self._pid != os.getpid():
+            self._open_fs()
+        return self._fs
+
+    def child(self, prefix: str) -> "ObjectStore":
+        """A store rooted at ``url/prefix`` sharing this one's file system, options and retry."""
+        prefix = _check_key(prefix)
+        other = object.__new__(ObjectStore)
+        other.__dict__.update(self.__dict__)
+        other._root = self._path(prefix)
+        other.url = _url_for(self.protocol, other._root)
+        return other
+
+    def with_retry(self, retry: RetryPolicy) -> "ObjectStore":
+        """The same store with another retry/deadline policy (e.g. the exchange's timeout)."""
+        other = object.__new__(ObjectStore)
+        other.__dict__.update(self.__dict__)
+        other.retry = retry
+        return other
+
+    def _path(self, key: str) -> str:
+        if self.protocol == "file":
+            return os.path.join(self._root, *key.split("/")) if key else self._root
+        return f"{self._root.rstrip('/')}/{key}" if key else self._root
+
+    def _rel(self, path: str) -> str:
+        base = self._root.rstrip("/" if self.protocol != "file" else os.sep)
+        rel = path[len(base) + 1:]
+        return rel.replace(os.sep, "/") if self.protocol == "file" else rel
+
+    # ----------------------------------------------------------------- plumbing
+    def _run(self, op: str, key: str, attempt: Callable[[float], T],
+             on_retry: Callable[[BaseException], None] | None = None) -> T:
+        return call_with_retry(attempt, policy=self.retry, url=self.url, key=key, op=op,
+                               on_retry=on_retry)
+
+    def _fs_call(self, method: str, *args: Any, timeout_s: float, **kwargs: Any) -> Any:
+        """Call fs.<method>; on async file systems run ``_<method>`` bounded by ``timeout_s``."""
+        if self._async:
+            fs = self.fs
+            return sync(fs.loop, getattr(fs, "_" + method), *args,
+                        timeout=max(timeout_s, 0.001), **kwargs)
+        return getattr(self.fs, method)(*args, **kwargs)
+
+    # ----------------------------------------------------------------- writes
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` at ``key``, replacing any object there. Readers see the old or the
+        new bytes, never half (local: temp file + ``os.replace``; S3/GCS PUTs are atomic)."""
+        key = _check_key(key)
+        path, data = self._path(key), bytes(data)
+
+        def attempt(remaining: float) -> None:
+            if self.protocol == "file":
+                store_local.atomic_write(path, data)
+            else:
+                self._fs_call("pipe_file", path, data, timeout_s=remaining)
+
+        self._run("put", key, attempt)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` with ``data`` only if no object exists there, atomically.
+
+        Returns True if this call created the object, False if one existed (its bytes are
+        left untouched). If an attempt failed transiently (its response lost) and a retry then
+        finds the object, the object is read back: True if it holds exactly ``data``. (gcsfs
+        also retries inside one attempt, invisibly; there a lost response can read as False.)
+        Not atomic on fsspec protocols other than file, memory, s3 and gs.
+        """
+        key = _check_key(key)
+        path, data = self._path(key), bytes(data)
+        retried: list[BaseException] = []
+
+        def attempt(remaining: float) -> bool:
+            if self.protocol == "file":
+                return store_local.atomic_create(path, data)
+            if self.protocol == "memory":
+                with _MEMORY_LOCK:
+                    if self.fs.isfile(path):
+                        return False
+                    self.fs.pipe_file(path, data)
+                    return True
+            try:
+                self._fs_call("pipe_file", path, data, mode="create", timeout_s=remaining)
+                return True
+            except FileExistsError:
+                return False
+
+        created = self._run("put_if_absent", key, attempt, on_retry=retried.append)
+        if not created and retried:
+            try:
+                return self.get(key) == data
+            except ObjectNotFound:  # deleted in between: we did not create what is there
+                return False
+        return created
+
+    def put_json(self, key: str, obj: Any) -> None:
+        """:meth:`put` ``obj`` as UTF-8 JSON."""
+        self.put(key, json.dumps(obj).encode("utf-8"))
+
+    def put_json_if_absent(self, key: str, obj: Any) -> bool:
+        """:meth:`put_if_absent` ``obj`` as UTF-8 JSON."""
+        return self.put_if_absent(key, json.dumps(obj).encode("utf-8"))
+
+    # ----------------------------------------------------------------- reads
+    def get(self, key: str) -> bytes:
+        """The bytes at ``key``. Raises :class:`ObjectNotFound` if there is no object."""
+        key = _check_key(key)
+        path = self._path(key)
+
+        def attempt(remaining: float) -> bytes:
+            if self.protocol == "file":
+                with open(path, "rb") as f:
+                    return f.read()
+            return bytes(self._fs_call("cat_file", path, timeout_s=remaining))
+
+        return self._run("get", key, attempt)
+
+    def get_json(self, key: str) -> Any:
+        """:meth:`get` and parse UTF-8 JSON; a :class:`StoreError` naming the key if corrupt."""
+        raw = self.get(key)
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StoreError(f"get_json {self.url}/{key}: not valid UTF-8 JSON ({exc}); the "
+                             "object is corrupt or not JSON", url=self.url, key=key, op="get_json") from exc
+
+    def get_many(self, keys: Sequence[str], *, missing_ok: bool = False) -> dict[str, bytes]:
+        """Fetch many objects concurrently: fsspec's batched async ``_cat`` on S3/GCS, a thread
+        pool otherwise. Returns {key: bytes} in the order of ``keys``; missing keys are
+        omitted if ``missing_ok``, else :class:`ObjectNotFound` names them."""
+        wanted = [_check_key(k) for k in dict.fromkeys(keys)]
+        if not wanted:
+            return {}
+        found, missing = (self._get_many_async(wanted) if self._async
+                          else self._get_many_threads(wanted))
+        if missing and not missing_ok:
+            names = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ObjectNotFound(f"get_many {self.url}: {len(missing)} object(s) not found: {names}",
+                                 url=self.url, key=missing[0], op="get_many")
+        return {k: found[k] for k in wanted if k in found}
+
+    def _get_many_threads(self, keys: list[str]) -> tuple[dict[str, bytes], list[str]]:
+        def one(key: str) -> bytes | None:
+            try:
+                return self.get(key)
+            except ObjectNotFound:
+                return None
+
+        with ThreadPoolExecutor(max_workers=min(_MAX_THREADS, len(keys))) as pool:
+            values = list(pool.map(one, keys))
+        found = {k: v for k, v in zip(keys, values) if v is not None}
+        return found, [k for k, v in zip(keys, values) if v is None]
+
+    def _get_many_async(self, keys: list[str]) -> tuple[dict[str, bytes], list[str]]:
+        by_path = {self.fs._strip_protocol(self._path(k)): k for k in keys}
+        found: dict[str, bytes] = {}
+        missing: list[str] = []
+
+        def attempt(remaining: float) -> None:
+            todo = [p for p, k in by_path.items() if k not in found and k not in missing]
+            if not todo:
+                return
+            out = self._fs_call("cat", todo, on_error="return", timeout_s=remaining)
+            transient: BaseException | None = None
+            for path, value in out.items():
+                key = by_path.get(path, path)
+                if not isinstance(value, BaseException):
+                    found[key] = bytes(value)
+                elif isinstance(value, FileNotFoundError):
+                    missing.append(key)
+                elif is_transient(value):
+                    transient = value  # retried: the next attempt fetches only what is left
+                else:
+                    raise translate_error(value, url=self.url, key=key, op="get_many") from value
+            if transient is not None:
+                raise transient
+
+        label = keys[0] if len(keys) == 1 else f"{keys[0]} (and {len(keys) - 1} more keys)"
+        self._run("get_many", label, attempt)
+        return found, missing
+
+    def exists(self, key: str) -> bool:
+        """True if an object (not a mere prefix/folder) exists at ``key``."""
+        key = _check_key(key)
+        path = self._path(key)
+
+        def attempt(remaining: float) -> bool:
+            if self.protocol == "file":
+                return os.path.isfile(path)
+            try:
+                if self.protocol == "s3":  # one HEAD; s3fs's info() would also LIST on a miss
+                    bucket, name, _ = self.fs.split_path(path)
+                    self._fs_call("call_s3", "head_object", Bucket=bucket, Key=name,
+                                  timeout_s=remaining)
+                    return True
+                info = self._fs_call("info", path, timeout_s=remaining)
+            except FileNotFoundError:
+                return False
+            return info.get("type") != "directory"
+
+        return self._run("exists", key, attempt)
+
+    def list(self, prefix: str = "") -> list[str]:
+        """All object keys under the folder ``prefix`` ('' = the whole store), recursively,
+        relative to the store root, sorted. ``[]`` if there are none."""
+        prefix = _check_key(prefix, allow_empty=True)
+        path = self._path(prefix)
+
+        def attempt(remaining: float) -> list[str]:
+            if self.protocol == "file":
+                return _local_find(path)
+            if hasattr(self.fs, "invalidate_cache"):
+                self.fs.invalidate_cache(path)
+            try:
+                return list(self._fs_call("find", path, timeout_s=remaining))
+            except FileNotFoundError:
+                return []
+
+        paths = self._run("list", prefix, attempt)
+        keys = (self._rel(p) for p in paths if not store_local.is_temp_name(p))
+        return sorted(k for k in keys if k)
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """The immediate child "folders" of ``prefix`` ('' = the store root), NOT recursive:
+        one delimited listing (S3 ``CommonPrefixes``, GCS ``prefixes``) instead of every key
+        below. Keys relative to the store root (``list_dirs("a")`` -> ``["a/b", ...]``),
+        sorted; ``[]`` if ``prefix`` holds no folders or does not exist.
+
+        On object stores a folder exists while it holds an object; a local folder can outlive
+        its last file, so callers should not infer that a listed folder holds anything.
+        """
+        prefix = _check_key(prefix, allow_empty=True)
+        path = self._path(prefix)
+
+        def attempt(remaining: float) -> list[str]:
+            if self.protocol == "file":
+                return _local_dirs(path)
+            if hasattr(self.fs, "invalidate_cache"):
+                self.fs.invalidate_cache(path)
+            try:
+                entries = self._fs_call("ls", path, detail=True, timeout_s=remaining)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+            here = self.fs._strip_protocol(path).rstrip("/")
+            names = (e["name"].rstrip("/") for e in entries if e.get("type") == "directory")
+            return [n for n in names if n != here]
+
+        paths = self._run("list_dirs", prefix, attempt)
+        keys = {self._rel(p) for p in paths if not store_local.is_temp_name(p)}
+        return sorted(k for k in keys if _is_child_key(k, prefix))
+
+    # ----------------------------------------------------------------- deletes
+    def delete(self, key: str, *, recursive: bool = False) -> None:
+        """Delete the object at ``key``; with ``recursive`` everything under the folder ``key``
+        (``''`` = the whole store). A missing key is not an error."""
+        key = _check_key(key, allow_empty=recursive)
+        path = self._path(key)
+
+        def attempt(remaining: float) -> None:
+            try:
+                if self.protocol == "file":
+                    _local_delete(path, recursive)
+                elif recursive:
+                    self._fs_call("rm", path, recursive=True, timeout_s=remaining)
+                else:
+                    self._fs_call("rm_file", path, timeout_s=remaining)
+            except FileNotFoundError:
+                pass
+
+        self._run("delete", key, attempt)
+
+
+def _local_find(path: str) -> list[str]:
+    """Files under ``path`` (or ``[path]`` if it is a file), temp files excluded."""
+    if os.path.isfile(path):
+        return [path]
+    out: list[str] = []
+    for folder, _dirs, files in os.walk(path):
+        out.extend(os.path.join(folder, f) for f in files if not store_local.is_temp_name(f))
+    return out
+
+
+def _local_dirs(path: str) -> list[str]:
+    """Sub-folders directly in ``path``; ``[]`` if it is missing or not a folder."""
+    try:
+        with os.scandir(path) as entries:
+            return [e.path for e in entries if e.is_dir(follow_symlinks=False)
+                    and not store_local.is_temp_name(e.name)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _local_delete(path: str, recursive: bool) -> None:
+    if recursive and os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=False)
+    elif os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a folder; pass recursive=True to delete it")
+    else:
+        os.unlink(path)

@@ -1,0 +1,284 @@
+"""Global DiLoCo checkpoints in the store, written in shards by the participants (safetensors + JSON).
+
+Layout under ``<run>/checkpoints/<round:08d>/`` (``round`` = the last exchange round the state includes)::
+
+    manifest.json              create-only, identical on every writer: round, step, shard plan, JSON meta
+    shard-<j:04d>.safetensors  create-only: the tensors of shard j (global params, outer optimizer state)
+    shard-<j:04d>.json         written after the shard: its sha256 and keys (the shard's completion marker)
+    data/rank-<r>.json         rank r's data position (per replica, optional)
+  checkpoints/latest.json      {"round", "step", "time"}: the newest complete checkpoint
+
+Every replica holds the same global state, so any replica can write any shard and the bytes are
+identical: rank r writes shard r, waits up to ``takeover_s`` for the others, then writes the ones
+still missing itself (first create wins). A checkpoint is *complete* when its manifest and every
+shard marker exist; readers verify each shard's sha256 and keys and refuse a mismatch
+(:class:`CheckpointCorrupt`). Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from diloco_serverless.errors import CheckpointError
+from diloco_serverless.run.layout import (
+    LATEST_CHECKPOINT_KEY,
+    checkpoint_prefix,
+    fmt_round,
+)
+from diloco_serverless.store.errors import ObjectNotFound
+from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.trainer.diloco import CheckpointMismatch
+from diloco_serverless.trainer.model import upload_pretrained
+
+__all__ = [
+    "CheckpointCorrupt",
+    "CheckpointInfo",
+    "find_latest_checkpoint",
+    "load_checkpoint",
+    "plan_shards",
+    "prune_checkpoints",
+    "read_data_state",
+    "save_checkpoint",
+    "final_exists",
+    "sync_initial_parameters",
+    "write_final",
+]
+
+FORMAT = 1
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A stored checkpoint object does not match its manifest (checksum, keys or format)."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    round: int
+    step: int
+    num_shards: int
+    meta: dict[str, Any]
+
+
+def _shard_key(round_: int, j: int, ext: str) -> str:
+    return f"{checkpoint_prefix(round_)}/shard-{j:04d}.{ext}"
+
+
+def plan_shards(tensors: dict[str, torch.Tensor], num_shards: int) -> list[list[str]]:
+    """Split the sorted tensor keys into ``num_shards`` contiguous groups of similar byte size."""
+    keys = sorted(tensors)
+    sizes = [tensors[k].numel() * tensors[k].element_size() for k in keys]
+    total = max(1, sum(sizes))
+    plan: list[list[str]] = [[] for _ in range(num_shards)]
+    done = 0
+    for key, size in zip(keys, sizes):
+        j = min(num_shards - 1, int(done * num_shards / total))
+        plan[j].append(key)
+        done += size
+    return plan
+
+
+def _manifest(round_: int, step: int, tensors: dict[str, torch.Tensor], plan: list[list[str]],
+              meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": FORMAT, "round": round_, "step": step, "num_shards": len(plan), "shards": plan,
+        "tensors": {k: {"dtype": str(t.dtype), "shape": list(t.shape)} for k, t in sorted(tensors.items())},
+        "meta": meta,
+    }
+
+
+def _write_shard(store: ObjectStore, round_: int, j: int, keys: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    if store.exists(_shard_key(round_, j, "json")):
+        return
+    blob = st_save({k: tensors[k].contiguous() for k in keys}, metadata={"round": str(round_), "shard": str(j)})
+    store.put_if_absent(_shard_key(round_, j, "safetensors"), blob)
+    stored = store.get(_shard_key(round_, j, "safetensors"))  # the first writer's bytes
+    marker = {"sha256": hashlib.sha256(stored).hexdigest(), "keys": keys, "bytes": len(stored)}
+    store.put_if_absent(_shard_key(round_, j, "json"), json.dumps(marker).encode())
+
+
+def save_checkpoint(store: ObjectStore, round_: int, step: int, tensors: dict[str, torch.Tensor],
+                    meta: dict[str, Any], *, rank: int, world_size: int, data_state: dict[str, Any] | None = None,
+                    takeover_s: float = 30.0, poll_s: float = 0.1) -> bool:
+    """Write this rank's part of the checkpoint of ``round_``; take over missing shards after ``takeover_s``.
+
+    ``store`` is rooted at the run. Returns True when the checkpoint is complete (then
+    ``latest.json`` points at it, unless a newer one already does). Store errors propagate.
+    """
+    plan = plan_shards(tensors, world_size)
+    prefix = checkpoint_prefix(round_)
+    store.put_if_absent(f"{prefix}/manifest.json", json.dumps(_manifest(round_, step, tensors, plan, meta)).encode())
+    if data_state is not None:
+        store.put(f"{prefix}/data/rank-{rank}.json", json.dumps(data_state).encode())
+    _write_shard(store, round_, rank % world_size, plan[rank % world_size], tensors)
+    deadline = time.monotonic() + takeover_s
+    while True:
+        missing = _missing_shards(store, round_, world_size)
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            for j in missing:
+                _write_shard(store, round_, j, plan[j], tensors)
+            break
+        time.sleep(poll_s)
+    _advance_latest(store, round_, step)
+    return True
+
+
+def _missing_shards(store: ObjectStore, round_: int, num_shards: int) -> list[int]:
+    have = set(store.list(checkpoint_prefix(round_) + "/"))
+    return [j for j in range(num_shards) if _shard_key(round_, j, "json") not in have]
+
+
+def _advance_latest(store: ObjectStore, round_: int, step: int) -> None:
+    try:
+        current = store.get_json(LATEST_CHECKPOINT_KEY)
+        if int(current.get("round", -1)) >= round_:
+            return
+    except (ObjectNotFound, ValueError, AttributeError):
+        pass
+    store.put_json(LATEST_CHECKPOINT_KEY, {"round": round_, "step": step, "time": time.time()})
+
+
+def _complete_rounds(store: ObjectStore) -> list[int]:
+    """Rounds whose manifest and every shard marker exist, ascending."""
+    by_round: dict[int, set[str]] = {}
+    for key in store.list("checkpoints/"):
+        parts = key.split("/")
+        if len(parts) >= 3 and parts[1].isdigit():
+            by_round.setdefault(int(parts[1]), set()).add("/".join(parts[2:]))
+    done = []
+    for r, names in sorted(by_round.items()):
+        if "manifest.json" not in names:
+            continue
+        try:
+            n = int(store.get_json(f"{checkpoint_prefix(r)}/manifest.json")["num_shards"])
+        except (ObjectNotFound, KeyError, ValueError, TypeError):
+            continue
+        if all(f"shard-{j:04d}.json" in names for j in range(n)):
+            done.append(r)
+    return done
+
+
+def find_latest_checkpoint(store: ObjectStore) -> int | None:
+    """The newest complete checkpoint's round, or None when the run has none."""
+    rounds = _complete_rounds(store)
+    return rounds[-1] if rounds else None
+
+
+def load_checkpoint(store: ObjectStore, round_: int) -> tuple[dict[str, torch.Tensor], CheckpointInfo]:
+    """Read and verify checkpoint ``round_``; raises :class:`CheckpointCorrupt` naming the object."""
+    prefix = checkpoint_prefix(round_)
+    manifest = store.get_json(f"{prefix}/manifest.json")
+    if manifest.get("format") != FORMAT or manifest.get("round") != round_:
+        raise CheckpointCorrupt(f"{store.url}/{prefix}/manifest.json: format/round mismatch ({manifest.get('format')}, "
+                                f"{manifest.get('round')}); delete the checkpoint folder to fall back to an older one")
+    n = int(manifest["num_shards"])
+    keys = [_shard_key(round_, j, ext) for j in range(n) for ext in ("json", "safetensors")]
+    blobs = store.get_many(keys)
+    tensors: dict[str, torch.Tensor] = {}
+    for j in range(n):
+        marker = json.loads(blobs[_shard_key(round_, j, "json")])
+        blob = blobs[_shard_key(round_, j, "safetensors")]
+        where = f"{store.url}/{_shard_key(round_, j, 'safetensors')}"
+        if hashlib.sha256(blob).hexdigest() != marker["sha256"]:
+            raise CheckpointCorrupt(f"{where}: sha256 mismatch; the object is damaged, delete {prefix} to fall back")
+        part = st_load(blob)
+        if sorted(part) != sorted(manifest["shards"][j]):
+            raise CheckpointCorrupt(f"{where}: holds keys {sorted(part)[:3]}..., manifest expects "
+                                    f"{manifest['shards'][j][:3]}...")
+        tensors.update(part)
+    for k, spec in manifest["tensors"].items():
+        t = tensors.get(k)
+        if t is None or list(t.shape) != spec["shape"] or str(t.dtype) != spec["dtype"]:
+            raise CheckpointCorrupt(f"{store.url}/{prefix}: tensor {k!r} missing or not {spec}")
+    return tensors, CheckpointInfo(round_, int(manifest["step"]), n, manifest["meta"])
+
+
+def read_data_state(store: ObjectStore, round_: int, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s data position saved with checkpoint ``round_`` (None if it did not write one)."""
+    try:
+        return store.get_json(f"{checkpoint_prefix(round_)}/data/rank-{rank}.json")
+    except ObjectNotFound:
+        return None
+
+
+def prune_checkpoints(store: ObjectStore, keep_from_round: int) -> None:
+    """Delete complete or partial checkpoints older than ``keep_from_round``."""
+    rounds = {int(k.split("/")[1]) for k in store.list("checkpoints/") if k.count("/") >= 2 and k.split("/")[1].isdigit()}
+    for r in sorted(x for x in rounds if x < keep_from_round):
+        store.delete(f"checkpoints/{fmt_round(r)}", recursive=True)
+
+
+# ------------------------------------------------------------------------------ the final model
+FINAL_LOCK = "final/LOCK.json"
+FINAL_DONE = "final/DONE.json"
+
+
+def final_exists(store: ObjectStore) -> bool:
+    """True when ``<run>/final/`` is complete (its DONE marker exists)."""
+    return store.exists(FINAL_DONE)
+
+
+def write_final(store: ObjectStore, model: Any, tokenizer: Any, *, rank: int, attempt: int = 0,
+                stale_lock_s: float = 600.0) -> bool:
+    """Write the final model (``save_pretrained``, safetensors) + tokenizer under ``final/``, once per run.
+
+    The writer is whoever creates ``final/LOCK.json`` first (create-only); it uploads the files,
+    then ``final/DONE.json``. A lock older than ``stale_lock_s`` without DONE (its writer died) is
+    taken over. Returns True if this call wrote the model. Store errors propagate.
+    """
+
+    if final_exists(store):
+        return False
+    lock = {"rank": rank, "attempt": attempt, "time": time.time()}
+    if not store.put_if_absent(FINAL_LOCK, json.dumps(lock).encode()):
+        try:
+            held = store.get_json(FINAL_LOCK)
+            if time.time() - float(held.get("time", 0)) < stale_lock_s:
+                return False
+        except (ObjectNotFound, ValueError, AttributeError, TypeError):
+            return False
+        store.put(FINAL_LOCK, json.dumps(lock).encode())
+    files = upload_pretrained(model, tokenizer, store, "final")
+    store.put_if_absent(FINAL_DONE, json.dumps({**lock, "files": files, "done": time.time()}).encode())
+    return True
+
+
+# ------------------------------------------------------------------------------ initial parameters
+INITIAL_KEY = "checkpoints/initial.safetensors"
+
+
+def sync_initial_parameters(store: ObjectStore, model: torch.nn.Module) -> bool:
+    """Make every replica start from the same global parameters, bit for bit.
+
+    The first replica stores its freshly initialised parameters create-only under
+    ``checkpoints/initial.safetensors``; every replica (the writer too) then loads that object into
+    ``model``. This removes any dependence on identical RNG streams across machines, torch builds
+    or devices. Returns True if this call wrote the object. Raises ``CheckpointMismatch`` (from
+    :mod:`diloco_serverless.trainer.diloco`) naming the parameter when the stored shapes differ from the model.
+    """
+
+    named = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters()}
+    wrote = store.put_if_absent(INITIAL_KEY, st_save(named, metadata={"format": str(FORMAT)}))
+    stored = st_load(store.get(INITIAL_KEY))
+    where = f"{store.url}/{INITIAL_KEY}"
+    if sorted(stored) != sorted(named):
+        extra, missing = sorted(set(stored) - set(named))[:3], sorted(set(named) - set(stored))[:3]
+        raise CheckpointMismatch(f"{where} holds other parameters than the model (only stored: {extra}, only in "
+                                 f"model: {missing}); use the run's model config")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in stored.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise CheckpointMismatch(f"parameter {name!r}: {where} has shape {tuple(tensor.shape)}, the model has "
+                                         f"{tuple(params[name].shape)}; use the run's model config")
+            params[name].copy_(tensor)
+    return wrote

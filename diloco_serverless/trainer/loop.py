@@ -1,0 +1,345 @@
+"""One replica's training loop: heal, then rounds of H inner steps of ``compose_loss`` and a DiLoCo sync.
+
+What every executor runs (through ``python -m diloco_serverless.entrypoints.replica``)::
+
+    trainer = ReplicaTrainer.from_run(run_url, rank)   # validates everything before training
+    result = trainer.run()
+
+1. **Heal** (:meth:`ReplicaTrainer.heal`): load the newest complete global checkpoint (global
+   parameters, outer optimizer state, manager step, this rank's data position), then replay every
+   stored reduced round after it through torchft's own sync code (``DiLoCoReplica.catch_up``), so a
+   restarted or late replica holds exactly the global state of the others.
+2. **Rounds**: inner AdamW steps (linear warmup, grad clipping) on ``compose_loss``; torchft's DiLoCo
+   hooks on the inner optimizer exchange one fragment every H/fragments steps through the
+   :class:`~diloco_serverless.trainer.manager.ObjectStoreManager` (DiLoCo, arXiv 2311.08105; Streaming
+   DiLoCo, arXiv 2501.18512). Between rounds the replica catches up on rounds the others finished
+   without it and re-heals from a checkpoint when it fell behind the pruned rounds.
+3. After each exchange round: heartbeat (``members/rank-r.json``) and metrics
+   (``metrics/rank-r/<round>.json``: loss components, tokens/s, seconds in inner steps vs blocked on
+   the exchange, bytes moved); rank 0 evaluates the global model on the held-out split every
+   ``eval_every`` outer rounds; every ``checkpoint_every`` outer rounds the participants write a
+   global checkpoint in shards and old rounds/checkpoints are pruned.
+4. The end: the global model in Hugging Face format under ``<run>/final/`` (one writer, create-only
+   lock, ``final/DONE.json`` marker) — see :func:`diloco_serverless.trainer.checkpoint.write_final`.
+
+Failure: configuration problems (rank outside the run, empty data shard, a checkpoint whose shapes
+differ from the model) raise before the first step with a message naming the problem; exchange
+faults follow torchft semantics (the round is retried or adopted late); anything else propagates
+and the heartbeat says ``failed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco_serverless.config import RunConfig
+from diloco_serverless.data.builder import BatchBuilder, make_reference_model
+from diloco_serverless.loss import TAIDScheduler, compose_loss
+from diloco_serverless.run.members import (
+    HEARTBEAT_CHECKPOINTING,
+    HEARTBEAT_DONE,
+    HEARTBEAT_EVALUATING,
+    HEARTBEAT_FAILED,
+    HEARTBEAT_HEALING,
+    HEARTBEAT_TRAINING,
+    Heartbeat,
+    write_heartbeat,
+    write_metrics,
+)
+from diloco_serverless.run.record import load_run
+from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.trainer import checkpoint as ckpt
+from diloco_serverless.trainer.checkpoint import final_exists, write_final
+from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
+from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
+from diloco_serverless.trainer.model import build_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ReplicaTrainer", "TrainResult"]
+
+
+@dataclass
+class TrainResult:
+    rank: int
+    rounds: int  # exchange rounds this replica's global state includes
+    trained_rounds: int  # rounds this process trained (not replayed)
+    replayed_rounds: int
+    final_written: bool
+    eval_loss: float | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Segment:
+    """Accumulators for the inner steps of one exchange round."""
+
+    start: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    tokens: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+
+    def add(self, comps: dict[str, float], tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        for k, v in comps.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def means(self) -> dict[str, float]:
+        return {k: v / max(1, self.steps) for k, v in self.sums.items()}
+
+
+class ReplicaTrainer:
+    """One replica of a run. Build with :meth:`from_run`; call :meth:`run`."""
+
+    def __init__(self, cfg: RunConfig, run_store: ObjectStore, rank: int, *, attempt: int = 0,
+                 storage_options: dict[str, Any] | None = None, device: str | None = None,
+                 exchange_options: dict[str, Any] | None = None) -> None:
+        if not 0 <= rank < cfg.replicas:
+            raise ValueError(f"rank {rank} is outside run {cfg.run_id} ({cfg.replicas} replicas: ranks 0..{cfg.replicas - 1}); "
+                             "set REPLICA_RANK to one of them")
+        self.cfg, self.store, self.rank, self.attempt = cfg, run_store, rank, attempt
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.fragments = cfg.exchange.fragments
+        self.total_rounds = cfg.rounds * self.fragments
+        torch.manual_seed(cfg.seed + 1000 * rank)
+        model, self.tokenizer = build_model(cfg.model, cfg.seed)
+        ckpt.sync_initial_parameters(run_store, model)  # identical start on every replica, bit for bit
+        self.model = model.to(self.device)
+        ref = make_reference_model(self.model) if cfg.loss.needs_reference else None
+        self.data = BatchBuilder.from_config(cfg, self.tokenizer, rank=rank, ref_model=ref, device=self.device,
+                                             storage_options=storage_options)
+        self.manager = self._build_manager(storage_options, exchange_options or {})
+        self.inner = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas,
+                                       weight_decay=cfg.inner.weight_decay)
+        self.rep: DiLoCoReplica = build_diloco(
+            self.manager, self.model, self.inner, sync_every=cfg.inner.sync_every, fragments=self.fragments,
+            fragment_sync_delay=cfg.exchange.fragment_sync_delay, outer_lr=cfg.outer.lr,
+            outer_momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov)
+        self.taid = self._build_taid()
+        self.inner_steps = 0
+        self.bytes_up = self.bytes_down = 0
+        self.replayed = self.trained = 0
+        self.last_eval: float | None = None
+        self.metrics: list[dict[str, Any]] = []
+
+    @classmethod
+    def from_run(cls, run_url: str, rank: int, *, attempt: int = 0, storage_options: dict[str, Any] | None = None,
+                 device: str | None = None, exchange_options: dict[str, Any] | None = None) -> ReplicaTrainer:
+        """Load ``run.json`` at ``run_url`` and build rank ``rank``'s trainer (no training yet)."""
+        run_store, record = load_run(run_url, storage_options)
+        return cls(record.config, run_store, rank, attempt=attempt, storage_options=storage_options, device=device,
+                   exchange_options=exchange_options)
+
+    def _build_manager(self, storage_options: dict[str, Any] | None, extra: dict[str, Any]) -> ObjectStoreManager:
+        ex = self.cfg.exchange
+        opts: dict[str, Any] = {"takeover_timeout_s": ex.takeover_timeout_s, **extra}
+        if ex.poll_interval_s is not None:
+            opts.setdefault("poll_interval_s", ex.poll_interval_s)
+        store_url, run_id = self.store.url.rsplit("/", 1)
+        return ObjectStoreManager(
+            store_url, self.rank, self.cfg.replicas, run_id=run_id, min_replicas=self.cfg.effective_min_replicas,
+            fragments=self.fragments, codec=ex.codec, error_feedback=ex.error_feedback, timeout_s=ex.round_timeout_s,
+            straggler_timeout_s=ex.straggler_timeout_s, storage_options=storage_options, **opts)
+
+    def _build_taid(self) -> TAIDScheduler | None:
+        loss = self.cfg.loss
+        if loss.sdpo_wrapper != "taid" or loss.alpha_sdpo == 0:
+            return None
+        return TAIDScheduler(self.total_rounds * self.rep.inner_steps_per_round, loss.taid_t_start, loss.taid_t_end,
+                             loss.taid_alpha, loss.taid_beta, loss.taid_disable_adaptive)
+
+    # ------------------------------------------------------------------ healing
+    def heal(self) -> int:
+        """Load the newest checkpoint newer than our state, then replay stored rounds; returns rounds gained."""
+        before = self.manager.current_step()
+        latest = ckpt.find_latest_checkpoint(self.store)
+        position: int | None = None
+        if latest is not None and latest + 1 > self.manager.current_step():
+            tensors, info = ckpt.load_checkpoint(self.store, latest)
+            self.rep.load_state_tensors(tensors, info.meta, source=f"{self.store.url}/checkpoints/{latest:08d}")
+            state = ckpt.read_data_state(self.store, latest, self.rank)
+            if state is not None:
+                self.data.load_state_dict(state)
+                position = self.data.position
+            logger.info("rank %d: loaded checkpoint of round %d (step %d)", self.rank, latest, info.step)
+        replayed = self.rep.catch_up(self.total_rounds)
+        self.replayed += replayed
+        gained = self.manager.current_step() - before
+        if gained:
+            per_round = self.rep.inner_steps_per_round
+            self.inner_steps = self.manager.current_step() * per_round
+            implied = self.inner_steps * self.cfg.data.batch_size
+            self.data.position = implied if position is None else position + replayed * per_round * self.cfg.data.batch_size
+        return gained
+
+    def check_checkpoint_compatible(self) -> None:
+        """Raise CheckpointMismatch before training if the run's newest checkpoint does not fit the model."""
+        latest = ckpt.find_latest_checkpoint(self.store)
+        if latest is not None:
+            tensors, info = ckpt.load_checkpoint(self.store, latest)
+            self.rep.check_compatible(tensors, info.meta, source=f"{self.store.url}/checkpoints/{latest:08d}")
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> TrainResult:
+        """Heal, train until the run's last round, write the final model. See the module docstring."""
+        self._heartbeat(HEARTBEAT_HEALING)
+        try:
+            self.heal()  # raises CheckpointMismatch before any training if the checkpoint does not fit
+            if final_exists(self.store):
+                logger.info("rank %d: run %s already finished (final/DONE.json exists)", self.rank, self.cfg.run_id)
+                self.manager.shutdown()
+                return TrainResult(self.rank, self.manager.current_step(), 0, self.replayed, False, self.last_eval)
+            with self.rep:
+                while self.manager.current_step() < self.total_rounds:
+                    self._one_round()
+        except BaseException as exc:
+            self._heartbeat(HEARTBEAT_FAILED, message=f"{type(exc).__name__}: {exc}"[:500])
+            raise
+        return self._finish()
+
+    def _one_round(self) -> None:
+        """Catch up if the others are ahead, then inner steps until the next exchange round finished."""
+        replayed = self.rep.catch_up(self.total_rounds)
+        if replayed:  # the others finished rounds without us: skip the data they stand for
+            self.replayed += replayed
+            self.inner_steps += replayed * self.rep.inner_steps_per_round
+            self.data.position += replayed * self.rep.inner_steps_per_round * self.cfg.data.batch_size
+        if self.manager.current_step() >= self.total_rounds:
+            return
+        round_, seg = self.manager.current_step(), _Segment()
+        self._heartbeat(HEARTBEAT_TRAINING)
+        while True:
+            self._inner_step(seg)
+            if self.rep.at_boundary:
+                break
+        record = self.manager.history[-1] if self.manager.history else None
+        committed = self.manager.current_step() > round_
+        if committed:
+            self.trained += 1
+        else:  # the round failed on this replica: the others may have moved on and pruned
+            self.heal()
+        self._after_round(round_, seg, record if record and record.round == round_ else None, committed)
+
+    def _inner_step(self, seg: _Segment) -> None:
+        cfg = self.cfg
+        lr_scale = min(1.0, (self.inner_steps + 1) / max(1, cfg.inner.warmup_steps))
+        for group in self.inner.param_groups:
+            group["lr"] = cfg.inner.lr * lr_scale
+        batch = self.data.next_batch()
+        kwargs = cfg.loss.compose_kwargs(taid_t=self.taid.t if self.taid else None)
+        comps = compose_loss(self.model, batch, **kwargs)
+        if not torch.isfinite(comps.total):
+            raise FloatingPointError(f"rank {self.rank}: loss is {float(comps.total)} at inner step {self.inner_steps}; "
+                                     "lower inner.lr or raise inner.warmup_steps")
+        self.inner.zero_grad(set_to_none=True)
+        comps.total.backward()
+        if cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.inner.grad_clip)
+        self.inner.step()  # torchft's DiLoCo hooks may prepare/perform a fragment sync here
+        if self.taid is not None:
+            self.taid.update_t(comps.sdpo_jsd, self.inner_steps)
+        self.inner_steps += 1
+        seg.add(comps.to_floats(), int(batch["attention_mask"].sum()))
+
+    # ------------------------------------------------------------------ per-round bookkeeping
+    def _after_round(self, round_: int, seg: _Segment, record: ExchangeRecord | None, committed: bool) -> None:
+        wall = time.monotonic() - seg.start
+        blocked = record.blocked_s if record else 0.0
+        if record is not None:
+            self.bytes_up += record.bytes_up
+            self.bytes_down += record.bytes_down
+        outer_done = committed and self.manager.current_step() % self.fragments == 0
+        outer_round = self.manager.current_step() // self.fragments
+        eval_loss = None
+        if outer_done and self.rank == 0 and self._due(self.cfg.eval_every, outer_round):
+            self._heartbeat(HEARTBEAT_EVALUATING)
+            eval_loss = self.evaluate()
+        metrics = self._round_metrics(round_, seg, record, committed, wall, blocked, eval_loss)
+        write_metrics(self.store, self.rank, round_, metrics)
+        self.metrics.append(metrics)
+        self._heartbeat(HEARTBEAT_TRAINING, loss=metrics.get("total"))
+        if outer_done and self._due(self.cfg.checkpoint_every, outer_round):
+            self.checkpoint(record)
+
+    def _due(self, every: int, outer_round: int) -> bool:
+        """True every ``every`` outer rounds and after the last round (``every == 0``: last only)."""
+        last = self.manager.current_step() >= self.total_rounds
+        return last or (every > 0 and outer_round % every == 0)
+
+    def _round_metrics(self, round_: int, seg: _Segment, record: ExchangeRecord | None, committed: bool,
+                       wall: float, blocked: float, eval_loss: float | None) -> dict[str, Any]:
+        inner_s = max(0.0, wall - blocked)
+        out: dict[str, Any] = {
+            "attempt": self.attempt, "fragment": round_ % self.fragments, "outer_round": round_ // self.fragments,
+            "committed": committed, "inner_steps": seg.steps, "inner_step_total": self.inner_steps,
+            **seg.means(), "tokens": seg.tokens, "tokens_per_s": seg.tokens / inner_s if inner_s > 0 else 0.0,
+            "wall_s": wall, "inner_s": inner_s, "wait_s": blocked, "lr": self.inner.param_groups[0]["lr"],
+        }
+        if record is not None:
+            out.update(exchange_s=record.exchange_s, bytes_up=record.bytes_up, bytes_down=record.bytes_down,
+                       participants=record.participants, late=record.late, error=record.error)
+        if eval_loss is not None:
+            out["eval_loss"] = eval_loss
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean ``lm_ce`` of the global model on the held-out split (the live parameters are restored)."""
+        live = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        globals_ = self.rep.global_named_parameters()
+        params = dict(self.model.named_parameters())
+        for n, t in globals_.items():
+            params[n].copy_(t)
+        was_training = self.model.training
+        self.model.eval()
+        losses = [float(compose_loss(self.model, b).lm_ce) for b in self.data.eval_batches()]
+        self.model.train(was_training)
+        for n, t in live.items():
+            params[n].copy_(t)
+        self.last_eval = sum(losses) / max(1, len(losses))
+        return self.last_eval
+
+    def checkpoint(self, record: ExchangeRecord | None) -> None:
+        """Write this rank's shard of the global checkpoint of the last round; prune what it makes obsolete."""
+        self._heartbeat(HEARTBEAT_CHECKPOINTING)
+        round_ = self.manager.current_step() - 1
+        tensors, meta = self.rep.state_tensors()
+        ckpt.save_checkpoint(self.store, round_, self.manager.current_step(), tensors, meta, rank=self.rank,
+                             world_size=self.cfg.replicas, data_state=self.data.state_dict(),
+                             takeover_s=min(60.0, self.cfg.exchange.straggler_timeout_s))
+        participants = record.participants if record and record.participants else [0]
+        if self.rank == min(participants):
+            keep = self.cfg.exchange.keep_rounds
+            if keep is not None:
+                self.manager.prune(min(round_ + 1, self.manager.current_step() - keep))
+            older = [r for r in ckpt._complete_rounds(self.store) if r < round_]  # noqa: SLF001
+            if older:
+                ckpt.prune_checkpoints(self.store, older[-1])
+
+    def _finish(self) -> TrainResult:
+        self.rep.reset_to_global()
+        eval_loss = self.last_eval
+        self._heartbeat(HEARTBEAT_CHECKPOINTING)
+        written = write_final(self.store, self.model, self.tokenizer, rank=self.rank, attempt=self.attempt)
+        self._heartbeat(HEARTBEAT_DONE)
+        self.manager.shutdown()
+        return TrainResult(self.rank, self.manager.current_step(), self.trained, self.replayed, written,
+                           eval_loss, self.metrics)
+
+    def _heartbeat(self, state: str, *, loss: float | None = None, message: str | None = None) -> None:
+        if loss is not None and not math.isfinite(loss):
+            loss = None
+        hb = Heartbeat(rank=self.rank, round=self.manager.current_step(), step=self.inner_steps, loss=loss,
+                       attempt=self.attempt, state=state, bytes_up=self.bytes_up, bytes_down=self.bytes_down,
+                       message=message)
+        try:
+            write_heartbeat(self.store, hb)
+        except Exception as exc:  # noqa: BLE001 - a heartbeat must never kill training
+            logger.warning("rank %d: heartbeat failed: %s", self.rank, exc)

@@ -1,0 +1,344 @@
+"""ModalExecutor against a fake ``modal`` module (SDK level), plus the remote function and a live smoke test.
+
+The fake records what App, app.function, Image, Secret, Retries, App.run and spawn receive, and scripts
+the outcome of ``FunctionCall.get(timeout=0)`` per call. Its ``exception`` attribute is the *real*
+``modal.exception`` module, so the executor is checked against the SDK's real exception names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+modal_exception = pytest.importorskip("modal.exception")
+
+from support import FAKE_REPLICA, REPO_ROOT, pythonpath_env
+
+from diloco_serverless.executors import ReplicaStatus
+from diloco_serverless.executors import modal as modal_executor
+from diloco_serverless.executors._remote import ReplicaProcessError, run_replica_process  # noqa: E402
+from diloco_serverless.executors.base import (
+    ExecutorUnavailable,
+    ReplicaFailedError,
+    handle_from_json,
+)
+from diloco_serverless.executors.modal import ModalExecutor  # noqa: E402
+from diloco_serverless.executors.registry import executor_for_handle, get_executor
+
+RUN_URL = "s3://bucket/runs/run-m1"
+
+
+class FakeCall:
+    def __init__(self, fake: "FakeModal", call_id: str, args: tuple[Any, ...]) -> None:
+        self.fake, self.object_id, self.args = fake, call_id, args
+        self.logs = types.SimpleNamespace(tail=self._tail)
+
+    def get(self, timeout: float | None = None) -> Any:
+        self.fake.get_timeouts.append(timeout)
+        outcome = self.fake.outcomes.get(self.object_id, "running")
+        if outcome == "running":
+            raise modal_exception.TimeoutError()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def cancel(self, terminate_containers: bool = False) -> None:
+        self.fake.cancelled.append((self.object_id, terminate_containers))
+
+    def _tail(self, entries: int = 100) -> Iterator[Any]:
+        lines = [f"log line {i} of {self.object_id}\n" for i in range(3)]
+        return iter([types.SimpleNamespace(message=m) for m in lines[-entries:]])
+
+
+class FakeFunction:
+    def __init__(self, fake: "FakeModal", raw_f: Any, options: dict[str, Any]) -> None:
+        self.fake, self.raw_f, self.options = fake, raw_f, options
+
+    def spawn(self, *args: Any) -> FakeCall:
+        call = FakeCall(self.fake, f"fc-{len(self.fake.calls)}", args)
+        self.fake.calls[call.object_id] = call
+        self.fake.spawns.append((self, args, self.fake.app_running))
+        return call
+
+    def with_options(self, **options: Any) -> "FakeFunction":
+        self.fake.with_options.append(options)
+        return FakeFunction(self.fake, self.raw_f, {**self.options, **options})
+
+
+class FakeImage:
+    def __init__(self, ops: list[tuple[str, Any]]) -> None:
+        self.ops = ops
+
+    @classmethod
+    def debian_slim(cls, python_version: str | None = None) -> "FakeImage":
+        return cls([("debian_slim", python_version)])
+
+    def pip_install(self, *packages: str) -> "FakeImage":
+        return FakeImage([*self.ops, ("pip_install", packages)])
+
+    def add_local_python_source(self, *modules: str) -> "FakeImage":
+        return FakeImage([*self.ops, ("add_local_python_source", modules)])
+
+
+class FakeModal:
+    """Builds the fake ``modal`` module and records every SDK call."""
+
+    def __init__(self) -> None:
+        self.apps: list[Any] = []
+        self.functions: list[FakeFunction] = []
+        self.spawns: list[tuple[FakeFunction, tuple[Any, ...], bool]] = []
+        self.calls: dict[str, FakeCall] = {}
+        self.outcomes: dict[str, Any] = {}
+        self.cancelled: list[tuple[str, bool]] = []
+        self.get_timeouts: list[float | None] = []
+        self.runs: list[dict[str, Any]] = []
+        self.with_options: list[dict[str, Any]] = []
+        self.from_name: list[tuple[Any, ...]] = []
+        self.app_running = False
+
+    def module(self) -> types.ModuleType:
+        fake = self
+        mod = types.ModuleType("modal")
+
+        class App:
+            def __init__(self, name: str | None = None) -> None:
+                self.name, self.app_id = name, None
+                fake.apps.append(self)
+
+            def function(self, **options: Any) -> Any:
+                def decorate(raw_f: Any) -> FakeFunction:
+                    fn = FakeFunction(fake, raw_f, options)
+                    fake.functions.append(fn)
+                    return fn
+                return decorate
+
+            @contextmanager
+            def run(self, **kw: Any) -> Iterator["App"]:
+                fake.runs.append(kw)
+                self.app_id, fake.app_running = "ap-123", True
+                try:
+                    yield self
+                finally:
+                    fake.app_running = False
+
+        class Function:
+            @staticmethod
+            def from_name(app_name: str, name: str, **kw: Any) -> FakeFunction:
+                fake.from_name.append((app_name, name, kw))
+                return FakeFunction(fake, None, {})
+
+        class FunctionCall:
+            @staticmethod
+            def from_id(call_id: str) -> FakeCall:
+                if call_id not in fake.calls:
+                    raise modal_exception.NotFoundError(f"no call {call_id}")
+                return fake.calls[call_id]
+
+        mod.App, mod.Function, mod.FunctionCall, mod.Image = App, Function, FunctionCall, FakeImage
+        mod.Secret = types.SimpleNamespace(from_name=lambda name: ("secret", name))
+        mod.Retries = lambda **kw: ("retries", kw)
+        mod.exception = modal_exception
+        return mod
+
+
+@pytest.fixture
+def fake_modal(monkeypatch: pytest.MonkeyPatch) -> FakeModal:
+    fake = FakeModal()
+    monkeypatch.setitem(sys.modules, "modal", fake.module())
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
+    return fake
+
+
+@pytest.fixture
+def installed_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Make the package look pip-installed from a wheel: site-packages holds no pyproject.toml."""
+    package_dir = tmp_path / "site-packages" / "diloco_serverless"
+    package_dir.mkdir(parents=True)
+    monkeypatch.setattr(modal_executor, "PACKAGE_DIR", package_dir)
+    return package_dir
+
+
+def test_launch_builds_app_function_image_secrets_and_spawns(fake_modal: FakeModal, installed_wheel: Path) -> None:
+    ex = get_executor("modal", gpu="h100", secrets=["aws-creds"], timeout_s=3600, retries=4, poll_interval_s=0.01)
+    env = {"DILOCO_RUN_URL": RUN_URL, "AWS_ENDPOINT_URL": "https://s3.example", "AWS_SECRET_ACCESS_KEY": "leak"}
+    handles = ex.launch_replicas(3, "diloco_serverless.entrypoints.replica", ["--run-url", RUN_URL], env=env)
+
+    assert [a.name for a in fake_modal.apps] == ["diloco-run-m1"]
+    (fn,) = fake_modal.functions
+    opts = fn.options
+    assert fn.raw_f is run_replica_process
+    assert opts["gpu"] == "H100" and opts["timeout"] == 3600 and opts["serialized"] is True
+    assert opts["name"] == "run_replica" and opts["secrets"] == [("secret", "aws-creds")]
+    assert opts["retries"] == ("retries", {"max_retries": 4, "backoff_coefficient": 2.0, "initial_delay": 10.0})
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert opts["image"].ops == [("debian_slim", py), ("pip_install", ("diloco-serverless[s3,gcs]==0.1.0",))]
+    assert fake_modal.runs == [{"detach": True, "environment_name": None}]
+
+    assert len(fake_modal.spawns) == 3
+    for rank, (_, args, inside_run) in enumerate(fake_modal.spawns):
+        assert inside_run  # spawned while the detached App runs
+        assert args == (rank, "diloco_serverless.entrypoints.replica", ["--run-url", RUN_URL],
+                        {"DILOCO_RUN_URL": RUN_URL, "AWS_ENDPOINT_URL": "https://s3.example"})
+    records = json.loads(json.dumps([h.to_json() for h in handles]))
+    assert records[1] == {"kind": "modal", "rank": 1, "function_call_id": "fc-1", "app_id": "ap-123",
+                          "app_name": "diloco-run-m1", "gpu": "H100", "run_id": "run-m1"}
+    assert "leak" not in json.dumps(records)
+
+
+def test_poll_maps_get_outcomes_to_states(fake_modal: FakeModal) -> None:
+    ex = ModalExecutor(gpu="A100", poll_interval_s=0.01)
+    handles = ex.launch_replicas(7, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    fake_modal.outcomes.update({
+        "fc-1": {"rank": 1, "exit_code": 0},
+        "fc-2": ReplicaProcessError("replica rank 2 exited with code 4; last output:\nboom"),
+        "fc-3": modal_exception.FunctionTimeoutError("Function timed out after 3600s"),
+        "fc-4": modal_exception.RemoteError("Input was cancelled by user"),
+        "fc-5": modal_exception.OutputExpiredError(),
+        "fc-6": modal_exception.InputCancellation(),
+    })
+    states = ex.poll(handles)
+    assert [s.status for s in states] == [
+        ReplicaStatus.RUNNING, ReplicaStatus.SUCCEEDED, ReplicaStatus.FAILED, ReplicaStatus.FAILED,
+        ReplicaStatus.CANCELLED, ReplicaStatus.FAILED, ReplicaStatus.CANCELLED,
+    ]
+    assert states[2].exit_code == 4 and "ReplicaProcessError" in (states[2].reason or "")
+    assert "timed out" in (states[3].reason or "") and "expired" in (states[5].reason or "")
+    assert set(fake_modal.get_timeouts) == {0}  # never blocks
+
+
+def test_collect_names_failed_ranks_with_log_tail(fake_modal: FakeModal) -> None:
+    ex = ModalExecutor(gpu="A100", poll_interval_s=0.01)
+    handles = ex.launch_replicas(2, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    fake_modal.outcomes.update({
+        "fc-0": {"rank": 0, "exit_code": 0},
+        "fc-1": ReplicaProcessError("replica rank 1 exited with code 9; last output:\nboom"),
+    })
+    with pytest.raises(ReplicaFailedError) as info:
+        ex.collect(handles, timeout=5)
+    msg = str(info.value)
+    assert "rank(s) 1" in msg and "exit code 9" in msg and "log line 2 of fc-1" in msg
+
+
+def test_cancel_and_poll_from_handles_in_another_executor(fake_modal: FakeModal) -> None:
+    ex = ModalExecutor(gpu="T4")
+    records = [h.to_json() for h in ex.launch_replicas(2, "m", [], env={"DILOCO_RUN_URL": RUN_URL})]
+    handles = [handle_from_json(json.dumps(r)) for r in records]
+    other = executor_for_handle(handles[0])
+    assert isinstance(other, ModalExecutor) and other.gpu == "T4"
+    other.cancel(handles)
+    assert fake_modal.cancelled == [("fc-0", True), ("fc-1", True)]
+    fake_modal.outcomes.update({"fc-0": modal_exception.InputCancellation(), "fc-1": {"exit_code": 0}})
+    assert [s.status for s in other.poll(handles)] == [ReplicaStatus.CANCELLED, ReplicaStatus.SUCCEEDED]
+
+
+def test_deployed_app_uses_function_from_name(fake_modal: FakeModal) -> None:
+    ex = ModalExecutor(gpu="L4", deployed_app="diloco-serverless", secrets=["aws"], retries=0, timeout_s=600)
+    ex.launch_replicas(1, "m", ["--run-url", RUN_URL])
+    assert fake_modal.from_name == [("diloco-serverless", "run_replica", {"environment_name": None})]
+    assert fake_modal.with_options == [{"gpu": "L4", "secrets": [("secret", "aws")], "timeout": 600, "retries": None}]
+    assert not fake_modal.apps and not fake_modal.runs
+
+
+def test_local_source_image(fake_modal: FakeModal) -> None:
+    ex = ModalExecutor(gpu=None, local_source=True, extras=("s3",))
+    ex.launch_replicas(1, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    ops = fake_modal.functions[0].options["image"].ops
+    assert fake_modal.functions[0].options["gpu"] is None
+    assert ops[1][0] == "pip_install" and "s3fs>=2024.6" in ops[1][1] and "gcsfs>=2024.6" not in ops[1][1]
+    assert ops[2] == ("add_local_python_source", ("diloco_serverless",))
+
+
+def _image_ops(fake: FakeModal, **options: Any) -> list[tuple[str, Any]]:
+    ModalExecutor(gpu=None, **options).launch_replicas(1, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    return fake.functions[-1].options["image"].ops
+
+
+def test_default_image_ships_the_source_of_a_checkout(fake_modal: FakeModal, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = REPO_ROOT  # this repository is a checkout (whatever CI imports)
+    monkeypatch.setattr(modal_executor, "PACKAGE_DIR", repo / "diloco_serverless")
+    assert modal_executor.source_checkout_root() == repo
+    ops = _image_ops(fake_modal)
+    assert ops[2] == ("add_local_python_source", ("diloco_serverless",))
+    assert "diloco-serverless[s3,gcs]==0.1.0" not in ops[1][1] and "s3fs>=2024.6" in ops[1][1]
+    assert _image_ops(fake_modal, local_source="auto") == ops
+
+    # another checkout: its pyproject's requirements (not the installed metadata) go into the image
+    checkout = tmp_path / "checkout"
+    (checkout / "diloco_serverless").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text(
+        '[project]\nname = "Diloco_Serverless"\ndependencies = ["torch>=9"]\n'
+        '[project.optional-dependencies]\ns3 = ["s3fs>=9"]\ndev = ["moto[server]>=5; python_version>\'3\'"]\n')
+    monkeypatch.setattr(modal_executor, "PACKAGE_DIR", checkout / "diloco_serverless")
+    ops = _image_ops(fake_modal, extras=("s3", "dev"))
+    assert ops[1:] == [("pip_install", ("torch>=9", "s3fs>=9", "moto[server]>=5")),
+                       ("add_local_python_source", ("diloco_serverless",))]
+    # an explicit package= or local_source=False pip-installs even from a checkout
+    assert _image_ops(fake_modal, package="git+https://example/x.git")[1:] == [
+        ("pip_install", ("git+https://example/x.git",))]
+    assert _image_ops(fake_modal, local_source=False)[1:] == [
+        ("pip_install", ("diloco-serverless[s3,gcs]==0.1.0",))]
+
+
+@pytest.mark.parametrize("pyproject", [None, '[project]\nname = "other-project"\n', "not = = toml"])
+def test_default_image_pip_installs_outside_a_checkout(fake_modal: FakeModal, installed_wheel: Path,
+                                                       pyproject: str | None) -> None:
+    if pyproject is not None:  # a foreign or broken pyproject.toml next to the package is no checkout
+        (installed_wheel.parent / "pyproject.toml").write_text(pyproject)
+    assert modal_executor.source_checkout_root() is None
+    assert _image_ops(fake_modal)[1:] == [("pip_install", ("diloco-serverless[s3,gcs]==0.1.0",))]
+    ops = _image_ops(fake_modal, local_source=True, extras=("s3",))  # forced: the installed metadata
+    assert ops[2] == ("add_local_python_source", ("diloco_serverless",)) and "s3fs>=2024.6" in ops[1][1]
+    with pytest.raises(ExecutorUnavailable, match="local_source must be true, false or auto"):
+        ModalExecutor(local_source="yes")
+
+
+def test_bad_configuration_fails_in_init(
+    fake_modal: FakeModal, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with pytest.raises(ExecutorUnavailable, match="unknown GPU 'V100'"):
+        ModalExecutor(gpu="V100")
+    with pytest.raises(ExecutorUnavailable, match="retries"):
+        ModalExecutor(retries=11)
+    monkeypatch.delenv("MODAL_TOKEN_ID")
+    monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "absent.toml"))
+    with pytest.raises(ExecutorUnavailable, match="MODAL_TOKEN_ID and MODAL_TOKEN_SECRET"):
+        ModalExecutor()
+    (tmp_path / "absent.toml").write_text("[default]\ntoken_id = 'x'\n")
+    assert ModalExecutor().gpu == "A100"  # a config file counts as credentials
+    monkeypatch.setitem(sys.modules, "modal", None)
+    with pytest.raises(ExecutorUnavailable, match=r"pip install 'diloco-serverless\[modal\]'"):
+        get_executor("modal")
+    assert not fake_modal.spawns
+
+
+def _fake_replica_env() -> dict[str, str]:
+    path = pythonpath_env()
+    return {"PYTHONPATH": path, "DILOCO_RUN_URL": RUN_URL}
+
+
+def test_remote_function_runs_the_replica(capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_replica_process(2, FAKE_REPLICA, [], _fake_replica_env()) == {"rank": 2, "exit_code": 0}
+    assert "fake replica rank=2 attempt=0" in capfd.readouterr().out
+    with pytest.raises(ReplicaProcessError, match=r"rank 1 exited with code 6(.|\n)*rank 1 fails with boom"):
+        run_replica_process(1, FAKE_REPLICA, ["--exit-code", "6"], _fake_replica_env())
+
+
+@pytest.mark.live
+@pytest.mark.skipif(not os.environ.get("MODAL_TOKEN_ID"), reason="live Modal test needs MODAL_TOKEN_ID")
+def test_live_modal_smoke() -> None:
+    """One CPU container on real Modal running a stdlib module (only with MODAL_TOKEN_ID)."""
+    ex = ModalExecutor(gpu=None, local_source=True, retries=0, timeout_s=900, poll_interval_s=5)
+    handles = ex.launch_replicas(1, "platform", [], env={"DILOCO_RUN_URL": "memory://live/smoke"})
+    try:
+        assert ex.collect(handles, timeout=1800)[0].ok
+    finally:
+        ex.cancel(handles)

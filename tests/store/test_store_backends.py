@@ -1,0 +1,237 @@
+"""Back-end specifics of ObjectStore: local atomicity, the create-only preconditions that go on
+the wire to S3 and GCS, async batched get_many, and subprocesses configured only by env.
+
+Run: python -m pytest -q tests/test_store_backends.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from diloco_serverless.store._local import TEMP_PREFIX
+from diloco_serverless.store.objectstore import ENV_STORAGE_OPTIONS, ObjectStore
+from diloco_serverless.store.retry import RetryPolicy
+
+FAST = RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.05, timeout_s=30.0)
+
+
+# --------------------------------------------------------------------------- local files
+def _watch(store: ObjectStore, key: str, stop: threading.Event, seen: set[bytes]) -> None:
+    while not stop.is_set():
+        try:
+            seen.add(store.get(key))
+        except FileNotFoundError:
+            seen.add(b"<missing>")
+
+
+def test_local_readers_never_see_half_a_file(file_store_url: str) -> None:
+    store = ObjectStore(file_store_url)
+    old, new = b"a" * (4 << 20), b"b" * (4 << 20)
+    store.put("reduced/0000", old)
+    stop, seen = threading.Event(), set()
+    reader = threading.Thread(target=_watch, args=(store, "reduced/0000", stop, seen))
+    reader.start()
+    for i in range(20):
+        store.put("reduced/0000", new if i % 2 == 0 else old)
+        store.put_if_absent(f"created/{i}", new)
+    stop.set()
+    reader.join()
+    assert seen <= {old, new} and old in seen
+
+
+def test_local_put_if_absent_watchers_see_nothing_or_everything(file_store_url: str) -> None:
+    store = ObjectStore(file_store_url)
+    payload = os.urandom(8 << 20)
+    stop, seen = threading.Event(), set()
+    reader = threading.Thread(target=_watch, args=(store, "quorum.json", stop, seen))
+    reader.start()
+    assert store.put_if_absent("quorum.json", payload)
+    stop.set()
+    reader.join()
+    assert seen <= {b"<missing>", payload}
+    root = file_store_url[len("file://"):]
+    assert os.listdir(root) == ["quorum.json"]  # the temporary file is gone
+    assert os.stat(os.path.join(root, "quorum.json")).st_nlink == 1
+
+
+def test_local_listing_hides_temp_files(file_store_url: str) -> None:
+    store = ObjectStore(file_store_url)
+    store.put("a/b", b"1")
+    root = file_store_url[len("file://"):]
+    with open(os.path.join(root, "a", TEMP_PREFIX + "crashed"), "wb") as f:
+        f.write(b"half")
+    assert store.list() == ["a/b"]
+
+
+def test_local_delete_folder_needs_recursive(file_store_url: str) -> None:
+    store = ObjectStore(file_store_url)
+    store.put("rounds/00000001/a", b"1")
+    with pytest.raises(Exception, match="recursive"):
+        store.delete("rounds/00000001")
+    store.delete("rounds", recursive=True)
+    assert store.list() == []
+
+
+# --------------------------------------------------------------------------- S3 wire
+def test_s3_put_if_absent_sends_if_none_match(s3_store_url: str,
+                                              s3_storage_options: dict[str, Any]) -> None:
+    """Record the headers botocore sends: create-only carries ``If-None-Match: *``; put
+    doesn't. moto honours the header (412 PreconditionFailed, Condition If-None-Match)."""
+    store = ObjectStore(s3_store_url, s3_storage_options, retry=FAST)
+    store.exists("warm-up")  # creates the client
+    sent: list[tuple[str, str | None]] = []
+
+    def record(request: Any, **_: Any) -> None:
+        if request.method == "PUT":
+            value = request.headers.get("If-None-Match")
+            value = value.decode() if isinstance(value, bytes) else value
+            sent.append((request.url.rsplit("/", 1)[-1], value))
+
+    client = store.fs.s3
+    client.meta.events.register("before-send.s3.PutObject", record)
+    try:
+        assert store.put_if_absent("quorum.json", b"1") is True
+        assert store.put_if_absent("quorum.json", b"2") is False
+        store.put("plain", b"3")
+    finally:
+        client.meta.events.unregister("before-send.s3.PutObject", record)
+    assert sent == [("quorum.json", "*"), ("quorum.json", "*"), ("plain", None)]
+    assert store.get("quorum.json") == b"1"
+
+
+def test_s3_get_many_batches_and_retries_only_failures(
+        s3_store_url: str, s3_storage_options: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ObjectStore(s3_store_url, s3_storage_options, retry=FAST)
+    keys = [f"contrib/{s:04d}/rank-0" for s in range(8)]
+    for i, key in enumerate(keys):
+        store.put(key, bytes([i]) * 100)
+    fs, calls = store.fs, []
+    original = fs._cat_file
+
+    async def flaky_cat_file(path: str, **kwargs: Any) -> bytes:
+        calls.append(path)
+        if path.endswith("0003/rank-0") and calls.count(path) == 1:
+            raise ConnectionResetError("injected reset")
+        return await original(path, **kwargs)
+
+    monkeypatch.setattr(fs, "_cat_file", flaky_cat_file)
+    got = store.get_many(keys + ["contrib/0009/rank-0"], missing_ok=True)
+    assert got == {key: bytes([i]) * 100 for i, key in enumerate(keys)}
+    assert len(calls) == 9 + 1  # one batch of 9, then only the failed key again
+
+
+# --------------------------------------------------------------------------- GCS wire
+def test_gcs_put_if_absent_sends_if_generation_match(gcs_store_url: str,
+                                                     gcs_storage_options: dict[str, Any],
+                                                     gcs_requests: Any) -> None:
+    """The emulator ignores ``ifGenerationMatch``; prove the client sends ``=0`` on create-only
+    uploads (and not on plain puts), as recorded by the emulator."""
+    store = ObjectStore(gcs_store_url + "/run", gcs_storage_options, retry=FAST)
+    gcs_requests.requests.clear()
+    store.put_if_absent("quorum.json", b"1")
+    store.put("plain", b"2")
+    uploads = gcs_requests.uploads()
+    assert len(uploads) == 2
+    assert uploads[0]["query"].get("ifGenerationMatch") == ["0"]
+    assert "ifGenerationMatch" not in uploads[1]["query"]
+    gcs_requests.enforce_generation_match = True  # now answer 412 like GCS
+    assert store.put_if_absent("quorum.json", b"3") is False
+    assert store.get("quorum.json") == b"1"
+
+
+# --------------------------------------------------------------------------- subprocesses
+CHILD = """
+import sys
+from diloco_serverless.store import ObjectStore
+store = ObjectStore(sys.argv[1])
+assert store.put_if_absent("from-child", b"hello") is True
+assert store.put_if_absent("from-child", b"again") is False
+print(store.list())
+"""
+
+
+def _run_child(url: str, env: dict[str, str]) -> str:
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("AWS_", "STORAGE_EMULATOR", "GOOGLE_")) and k != ENV_STORAGE_OPTIONS}
+    full.update(env)
+    out = subprocess.run([sys.executable, "-c", CHILD, url], env=full, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_subprocess_reaches_s3_from_env_alone(s3_store_url: str, s3_env: dict[str, str],
+                                              s3_storage_options: dict[str, Any]) -> None:
+    """botocore honours AWS_ENDPOINT_URL: no storage_options needed in the child."""
+    assert "from-child" in _run_child(s3_store_url + "/run", s3_env)
+    assert ObjectStore(s3_store_url + "/run", s3_storage_options).get("from-child") == b"hello"
+
+
+def test_subprocess_reaches_s3_via_diloco_storage_options(
+        s3_store_url: str, s3_env: dict[str, str], s3_storage_options: dict[str, Any]) -> None:
+    env = {k: v for k, v in s3_env.items() if k != "AWS_ENDPOINT_URL"}
+    env[ENV_STORAGE_OPTIONS] = json.dumps({"endpoint_url": s3_env["AWS_ENDPOINT_URL"]})
+    _run_child(s3_store_url + "/run", env)
+    assert ObjectStore(s3_store_url + "/run", s3_storage_options).get("from-child") == b"hello"
+
+
+def test_subprocess_reaches_gcs_from_env_alone(gcs_store_url: str, gcs_env: dict[str, str],
+                                               gcs_storage_options: dict[str, Any],
+                                               gcs_requests: Any) -> None:
+    gcs_requests.enforce_generation_match = True
+    assert "from-child" in _run_child(gcs_store_url + "/run", gcs_env)
+    assert ObjectStore(gcs_store_url + "/run", gcs_storage_options).get("from-child") == b"hello"
+
+
+def _forked_put(store: ObjectStore) -> None:
+    store.put("from-fork", str(os.getpid()).encode())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+def test_store_survives_fork(s3_store_url: str, s3_storage_options: dict[str, Any]) -> None:
+    """A store used before a fork keeps working in the child (new loop and connections)."""
+    import multiprocessing
+
+    store = ObjectStore(s3_store_url, s3_storage_options, retry=FAST)
+    store.put("before-fork", b"x")
+    child = multiprocessing.get_context("fork").Process(target=_forked_put, args=(store,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert store.get("from-fork") == str(child.pid).encode()
+
+
+def test_local_create_only_without_hard_links(file_store_url: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On file systems where link(2) fails with EPERM (FAT, some FUSE mounts) the claim-file
+    fallback still lets exactly one of N racing creators win, and leaves no claim behind."""
+    import errno
+
+    def no_link(src: str, dst: str) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted", dst)
+
+    monkeypatch.setattr(os, "link", no_link)
+    store = ObjectStore(file_store_url)
+    n = 12
+    barrier = threading.Barrier(n)
+
+    def contend(i: int) -> bool:
+        barrier.wait()
+        return store.put_if_absent("quorum.json", f"writer-{i}".encode())
+
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(contend, range(n)))
+    assert sum(results) == 1
+    assert store.get("quorum.json") == f"writer-{results.index(True)}".encode()
+    assert os.listdir(file_store_url[len("file://"):]) == ["quorum.json"]
+    store.delete("quorum.json")
+    assert store.put_if_absent("quorum.json", b"again") is True

@@ -1,0 +1,165 @@
+"""The replica loop in-process (replicas in threads, file:// store): metrics, checkpoints, healing, final/."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from support.diloco_harness import create_tiny_run, write_jsonl
+
+from diloco_serverless.run.members import read_members, read_metrics
+from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.trainer import checkpoint as ckpt
+from diloco_serverless.trainer.diloco import CheckpointMismatch
+from diloco_serverless.trainer.loop import ReplicaTrainer, TrainResult
+
+
+def _train(run_url: str, ranks: list[int]) -> dict[int, tuple[TrainResult, ReplicaTrainer]]:
+    out: dict[int, tuple[TrainResult, ReplicaTrainer]] = {}
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            trainer = ReplicaTrainer.from_run(run_url, rank)
+            out[rank] = (trainer.run(), trainer)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _globals(trainer: ReplicaTrainer) -> dict[str, torch.Tensor]:
+    return trainer.rep.global_named_parameters()
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, tuple[TrainResult, ReplicaTrainer]]]:
+    """Two replicas, 3 outer rounds of H=2, checkpoint every 2 rounds (and at the end), eval every 2."""
+    tmp = tmp_path_factory.mktemp("train")
+    data = write_jsonl(tmp / "data.jsonl")
+    url = create_tiny_run(f"file://{tmp}/store", data, 2, rounds=3, checkpoint_every=2, eval_every=2)
+    return url, _train(url, [0, 1])
+
+
+def test_replicas_end_identical_and_write_final(finished_run, tmp_path: Path) -> None:  # noqa: ANN001
+    url, results = finished_run
+    (r0, t0), (r1, t1) = results[0], results[1]
+    _assert_equal(_globals(t0), _globals(t1))
+    assert r0.rounds == r1.rounds == 3 and r0.trained_rounds == 3
+    assert r0.final_written != r1.final_written, "exactly one replica writes final/"
+    store = ObjectStore(url)
+    assert ckpt.final_exists(store)
+    from transformers import AutoModelForCausalLM
+
+    from diloco_serverless.trainer.model import download_pretrained
+
+    local = download_pretrained(store, "final", tmp_path / "final")
+    loaded = AutoModelForCausalLM.from_pretrained(local)
+    params = dict(loaded.named_parameters())
+    for name, tensor in _globals(t0).items():
+        assert torch.equal(params[name].detach(), tensor), name
+
+
+def test_metrics_heartbeats_and_checkpoints(finished_run) -> None:  # noqa: ANN001
+    url, _ = finished_run
+    store = ObjectStore(url)
+    metrics = read_metrics(store)
+    assert sorted((m["rank"], m["round"]) for m in metrics) == [(r, k) for r in range(2) for k in range(3)]
+    for m in metrics:
+        for key in ("total", "lm_ce", "sdpo_jsd", "trace_replay_dpo", "tokens_per_s", "inner_s", "wait_s",
+                    "bytes_up", "bytes_down", "participants"):
+            assert key in m, key
+        assert m["committed"] and m["participants"] == [0, 1] and m["bytes_up"] > 0 and m["tokens"] > 0
+        assert m["sdpo_jsd"] > 0 and m["trace_replay_dpo"] > 0, "all three loss channels are live"
+    evals = [m["round"] for m in metrics if "eval_loss" in m]
+    assert evals == [1, 2], "rank 0 evaluates every eval_every=2 outer rounds and at the end"
+    members = read_members(store)
+    assert {r: hb.state for r, hb in members.items()} == {0: "done", 1: "done"}
+    assert ckpt.find_latest_checkpoint(store) == 2
+    assert store.get_json("checkpoints/latest.json")["round"] == 2
+    assert [k for k in store.list("checkpoints/") if k.endswith("manifest.json")] == [
+        "checkpoints/00000001/manifest.json", "checkpoints/00000002/manifest.json"], "the two newest are kept"
+    tensors, info = ckpt.load_checkpoint(store, 2)
+    assert info.step == 3 and any("/original_parameters/" in k for k in tensors)
+    assert any("momentum_buffer" in k for k in tensors), "outer optimizer state is checkpointed"
+    assert json.loads(store.get("checkpoints/00000002/data/rank-1.json"))["position"] == 3 * 2 * 2
+
+
+@pytest.mark.parametrize("drop", ["last_checkpoint", "all_checkpoints"])
+def test_late_replica_heals_bit_identical(finished_run, tmp_path: Path, drop: str) -> None:  # noqa: ANN001
+    """A fresh replica heals from the newest checkpoint (or none) + replay of stored rounds."""
+    url, results = finished_run
+    copy = tmp_path / "copy" / "run-test"
+    shutil.copytree(url.removeprefix("file://"), copy)
+    if drop == "last_checkpoint":  # heal from round 1's checkpoint, replay round 2
+        shutil.rmtree(copy / "checkpoints/00000002")
+    else:  # replay every round from the initial parameters
+        for p in (copy / "checkpoints").glob("0*"):
+            shutil.rmtree(p)
+    trainer = ReplicaTrainer.from_run(f"file://{copy}", 1)
+    gained = trainer.heal()
+    assert gained == 3 and trainer.manager.current_step() == 3
+    assert trainer.replayed == (1 if drop == "last_checkpoint" else 3)
+    _assert_equal(_globals(trainer), _globals(results[0][1]))
+    assert trainer.data.position == 3 * 2 * 2
+    trainer.manager.shutdown()
+
+
+def test_heal_from_checkpoint_only(finished_run, tmp_path: Path) -> None:  # noqa: ANN001
+    url, results = finished_run
+    copy = tmp_path / "copy" / "run-test"
+    shutil.copytree(url.removeprefix("file://"), copy)
+    shutil.rmtree(copy / "rounds")
+    trainer = ReplicaTrainer.from_run(f"file://{copy}", 0)
+    assert trainer.heal() == 3 and trainer.replayed == 0
+    _assert_equal(_globals(trainer), _globals(results[1][1]))
+    trainer.manager.shutdown()
+
+
+def test_checkpoint_with_other_shapes_is_refused(finished_run) -> None:  # noqa: ANN001
+    url, results = finished_run
+    trainer = results[0][1]
+    tensors, meta = trainer.rep.state_tensors()
+    key = next(k for k in tensors if k.endswith("/original_parameters/model__embed_tokens__weight"))
+    bad = dict(tensors, **{key: torch.zeros(3, 5)})
+    with pytest.raises(CheckpointMismatch, match=r"model\.embed_tokens\.weight.*shape \(3, 5\)"):
+        trainer.rep.check_compatible(bad, meta, source="ckpt")
+    with pytest.raises(CheckpointMismatch, match="fragments"):
+        trainer.rep.check_compatible(tensors, dict(meta, fragments=2), source="ckpt")
+
+
+def test_rank_outside_run_is_refused(finished_run) -> None:  # noqa: ANN001
+    url, _ = finished_run
+    with pytest.raises(ValueError, match="rank 2 is outside run"):
+        ReplicaTrainer.from_run(url, 2)
+
+
+def test_two_fragments_with_delay_and_int8(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl")
+    url = create_tiny_run(f"file://{tmp_path}/store", data, 2, rounds=2, sync_every=4, checkpoint_every=0,
+                          eval_every=0, **{"exchange.keep_rounds": 1, "exchange.fragments": 2, "exchange.fragment_sync_delay": 1,
+                                           "exchange.codec": '"int8"', "exchange.error_feedback": "true"})
+    results = _train(url, [0, 1])
+    _assert_equal(_globals(results[0][1]), _globals(results[1][1]))
+    metrics = read_metrics(ObjectStore(url), rank=0)
+    assert [m["fragment"] for m in metrics] == [0, 1, 0, 1] and all(m["inner_steps"] == 2 for m in metrics)
+    store = ObjectStore(url)
+    assert ckpt.find_latest_checkpoint(store) == 3
+    assert {k.split("/")[1] for k in store.list("rounds/")} == {"00000003"}, "rounds before the checkpoint were pruned"
