@@ -145,8 +145,8 @@ def proc_io() -> tuple[int, int]:
 
 def naive_allreduce(store: Any, rank: int, n: int, prefix: str, x: torch.Tensor, codec: str) -> torch.Tensor:
     """The seed's exchange: PUT the whole tensor, GET all N, average in rank order (fp32)."""
-    from diloco_serverless.exchange.codec import decode_values, encode_values, pack, unpack
     from diloco_serverless.exchange._io import CountingStore
+    from diloco_serverless.exchange.codec import decode_values, encode_values, pack, unpack
 
     fetch = CountingStore(store)  # same concurrent single-GET fetcher as the sharded exchange
 
@@ -173,20 +173,36 @@ def naive_allreduce(store: Any, rank: int, n: int, prefix: str, x: torch.Tensor,
     return acc / n
 
 
-def replica_main(rank: int, n: int, url: str, options: dict[str, Any], cases: list[Case], barrier: Any, queue: Any) -> None:
+def replica_main(
+    rank: int, n: int, url: str, options: dict[str, Any], cases: list[Case], barrier: Any, queue: Any
+) -> None:
     """One replica process: runs every case in lockstep with the others (barriers)."""
     from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
     from diloco_serverless.store.objectstore import ObjectStore
 
     torch.set_num_threads(1)
-    opts = {**options, "config_kwargs": {"user_agent_extra": f"bench-rank-{rank}"}} if url.startswith("s3") else dict(options)
+    opts = (
+        {**options, "config_kwargs": {"user_agent_extra": f"bench-rank-{rank}"}}
+        if url.startswith("s3")
+        else dict(options)
+    )
     if url.startswith("s3"):
         opts["max_concurrency"] = 1  # as ObjectStoreAllReduce does for its own store: no HEAD before each GET
     store = ObjectStore(url, opts or None)
     for i, case in enumerate(cases):
         x = torch.randn(case.p_mb * MB // 4, generator=torch.Generator().manual_seed(1000 * case.p_mb + rank))
-        ar = ObjectStoreAllReduce(store, rank, n, run_id=f"bench-{i}", codec=case.codec, keep_rounds=None,
-                                  timeout_s=900.0, straggler_timeout_s=600.0, takeover_timeout_s=600.0, poll_interval_s=0.2)
+        ar = ObjectStoreAllReduce(
+            store,
+            rank,
+            n,
+            run_id=f"bench-{i}",
+            codec=case.codec,
+            keep_rounds=None,
+            timeout_s=900.0,
+            straggler_timeout_s=600.0,
+            takeover_timeout_s=600.0,
+            poll_interval_s=0.2,
+        )
         barrier.wait()  # parent resets counters
         barrier.wait()  # go
         io0, t0, c0 = proc_io(), time.perf_counter(), time.process_time()
@@ -198,9 +214,20 @@ def replica_main(rank: int, n: int, url: str, options: dict[str, Any], cases: li
         io1 = proc_io()
         stats = asdict(ar.last_stats) if (case.method == "sharded" and ar.last_stats) else {}
         digest = hashlib.sha256(y.numpy().tobytes()).hexdigest()[:16]
-        queue.put({"case": i, "rank": rank, "wall_s": dt, "cpu_s": cpu, "rchar": io1[0] - io0[0], "wchar": io1[1] - io0[1],
-                   "code_bytes_up": stats.get("bytes_up"), "code_bytes_down": stats.get("bytes_down"), "digest": digest,
-                   "phases_s": stats.get("phases_s", {})})
+        queue.put(
+            {
+                "case": i,
+                "rank": rank,
+                "wall_s": dt,
+                "cpu_s": cpu,
+                "rchar": io1[0] - io0[0],
+                "wchar": io1[1] - io0[1],
+                "code_bytes_up": stats.get("bytes_up"),
+                "code_bytes_down": stats.get("bytes_down"),
+                "digest": digest,
+                "phases_s": stats.get("phases_s", {}),
+            }
+        )
         del x, y
         barrier.wait()  # done; parent collects and cleans up
 
@@ -208,8 +235,15 @@ def replica_main(rank: int, n: int, url: str, options: dict[str, Any], cases: li
 # --------------------------------------------------------------------------- driver
 
 
-def run_group(backend: str, n: int, cases: list[Case], url: str, options: dict[str, Any], counter: CountingWSGI | None,
-              cleanup: Any) -> list[dict[str, Any]]:
+def run_group(
+    backend: str,
+    n: int,
+    cases: list[Case],
+    url: str,
+    options: dict[str, Any],
+    counter: CountingWSGI | None,
+    cleanup: Any,
+) -> list[dict[str, Any]]:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "s3fs", "diloco_serverless.exchange.allreduce", "diloco_serverless.store"])
     barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
@@ -252,23 +286,35 @@ def summarise(case: Case, per_rank: list[dict[str, Any]], server: dict[int, list
     up, down = max(ups), max(downs)
     return {
         **asdict(case),
-        "up_mb": up / MB, "down_mb": down / MB, "total_mb": (up + down) / MB, "lower_bound_mb": lower / MB,
-        "ratio": (up + down) / lower, "wall_s": max(d["wall_s"] for d in per_rank),
+        "up_mb": up / MB,
+        "down_mb": down / MB,
+        "total_mb": (up + down) / MB,
+        "lower_bound_mb": lower / MB,
+        "ratio": (up + down) / lower,
+        "wall_s": max(d["wall_s"] for d in per_rank),
         "replica_cpu_s_mean": sum(d["cpu_s"] for d in per_rank) / len(per_rank),
         "requests_per_replica": max(requests) if requests else None,
         "identical_across_ranks": len({d["digest"] for d in per_rank}) == 1,
         "digest": per_rank[0]["digest"],
         "phases_s_max": {k: max(d["phases_s"].get(k, 0.0) for d in per_rank) for k in per_rank[0]["phases_s"]},
-        "code_counted_up_mb": (per_rank[0]["code_bytes_up"] or 0) / MB, "code_counted_down_mb": (per_rank[0]["code_bytes_down"] or 0) / MB,
+        "code_counted_up_mb": (per_rank[0]["code_bytes_up"] or 0) / MB,
+        "code_counted_down_mb": (per_rank[0]["code_bytes_down"] or 0) / MB,
     }
 
 
-HEADER = f"{'backend':7} {'N':>2} {'P MB':>5} {'codec':5} {'method':7} {'up MB':>8} {'down MB':>8} {'LB MB':>8} {'ratio':>6} {'wall s':>7} {'same':>4}"
+HEADER = (
+    f"{'backend':7} {'N':>2} {'P MB':>5} {'codec':5} {'method':7} {'up MB':>8} {'down MB':>8} "
+    f"{'LB MB':>8} {'ratio':>6} {'wall s':>7} {'same':>4}"
+)
 
 
 def print_row(r: dict[str, Any], flush: bool = False) -> None:
-    print(f"{r['backend']:7} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} {r['method']:7} {r['up_mb']:>8.1f} {r['down_mb']:>8.1f} "
-          f"{r['lower_bound_mb']:>8.1f} {r['ratio']:>6.3f} {r['wall_s']:>7.2f} {'yes' if r['identical_across_ranks'] else 'NO':>4}", flush=flush)
+    print(
+        f"{r['backend']:7} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} {r['method']:7} "
+        f"{r['up_mb']:>8.1f} {r['down_mb']:>8.1f} {r['lower_bound_mb']:>8.1f} {r['ratio']:>6.3f} "
+        f"{r['wall_s']:>7.2f} {'yes' if r['identical_across_ranks'] else 'NO':>4}",
+        flush=flush,
+    )
 
 
 def plan(quick: bool, backends: list[str], repeat: int) -> list[Case]:
@@ -304,7 +350,12 @@ def merge_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Targets of issue 2, evaluated on the measured rows."""
-    out: dict[str, Any] = {"ratio_n4_max": None, "ratio_n8_max": None, "int8_over_fp32_max": None, "speedup_s3_n8_min": None}
+    out: dict[str, Any] = {
+        "ratio_n4_max": None,
+        "ratio_n8_max": None,
+        "int8_over_fp32_max": None,
+        "speedup_s3_n8_min": None,
+    }
     sh = [r for r in rows if r["method"] == "sharded"]
     for n in (4, 8):
         vals = [r.get("ratio_max_over_repeats", r["ratio"]) for r in sh if r["n"] == n]
@@ -314,13 +365,21 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     int8 = [r["total_mb"] / fp32[key(r)] for r in sh if r["codec"] == "int8" and key(r) in fp32]
     out["int8_over_fp32_max"] = max(int8) if int8 else None
     naive = {(r["backend"], r["n"], r["p_mb"], r["codec"]): r["wall_s"] for r in rows if r["method"] == "naive"}
-    speed = [naive[(r["backend"], r["n"], r["p_mb"], r["codec"])] / r["wall_s"] for r in sh
-             if r["backend"] == "s3" and r["n"] == 8 and (r["backend"], r["n"], r["p_mb"], r["codec"]) in naive]
+    speed = [
+        naive[(r["backend"], r["n"], r["p_mb"], r["codec"])] / r["wall_s"]
+        for r in sh
+        if r["backend"] == "s3" and r["n"] == 8 and (r["backend"], r["n"], r["p_mb"], r["codec"]) in naive
+    ]
     out["speedup_s3_n8_min"] = min(speed) if speed else None
     out["speedups_s3_n8"] = speed
     out["fp32_sharded_equals_naive"] = all(
-        r["digest"] == n["digest"] for r in sh if r["codec"] == "fp32"
-        for n in rows if n["method"] == "naive" and (n["backend"], n["n"], n["p_mb"], n["codec"]) == (r["backend"], r["n"], r["p_mb"], "fp32"))
+        r["digest"] == n["digest"]
+        for r in sh
+        if r["codec"] == "fp32"
+        for n in rows
+        if n["method"] == "naive"
+        and (n["backend"], n["n"], n["p_mb"], n["codec"]) == (r["backend"], r["n"], r["p_mb"], "fp32")
+    )
     return out
 
 
@@ -339,25 +398,45 @@ def main() -> int:
         if backend == "file":
             root = tempfile.mkdtemp(prefix="diloco-bench-")
             url, options, counter = Path(root).as_uri(), {}, None
-            cleanup = lambda run: shutil.rmtree(os.path.join(root, run), ignore_errors=True)  # noqa: E731
+            cleanup = lambda run, root=root: shutil.rmtree(os.path.join(root, run), ignore_errors=True)  # noqa: E731
         else:
             import boto3
 
-            os.environ.setdefault("MOTO_S3_DEFAULT_KEY_BUFFER_SIZE", str(1 << 30))  # keep objects in RAM, like a real server's cache
+            os.environ.setdefault(
+                "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE", str(1 << 30)
+            )  # keep objects in RAM, like a real server's cache
             endpoint, counter, server = start_moto()
-            os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+            os.environ.update(
+                AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
+            )
             s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
             s3.create_bucket(Bucket="bench")
             url = "s3://bench"
-            options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
-            cleanup = lambda run: _s3_delete_prefix(s3, "bench", run + "/")  # noqa: E731
+            options = {
+                "endpoint_url": endpoint,
+                "key": "testing",
+                "secret": "testing",
+                "client_kwargs": {"region_name": "us-east-1"},
+            }
+            cleanup = lambda run, s3=s3: _s3_delete_prefix(s3, "bench", run + "/")  # noqa: E731
         for n in sorted({c.n for c in cases if c.backend == backend}):
-            rows += run_group(backend, n, [c for c in cases if c.backend == backend and c.n == n], url, options, counter, cleanup)
+            rows += run_group(
+                backend, n, [c for c in cases if c.backend == backend and c.n == n], url, options, counter, cleanup
+            )
     rows = merge_repeats(rows)
-    result = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
-                          "platform": platform.platform()},
-              "quick": args.quick, "replicas": "processes (forkserver), one per replica", "rows": rows, "summary": summary(rows),
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
+        "quick": args.quick,
+        "replicas": "processes (forkserver), one per replica",
+        "rows": rows,
+        "summary": summary(rows),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print_table(rows, result["summary"])
@@ -374,18 +453,31 @@ def _s3_delete_prefix(s3: Any, bucket: str, prefix: str) -> None:
 
 def print_table(rows: list[dict[str, Any]], summ: dict[str, Any]) -> None:
     print("\nsharded vs naive (bytes per replica, max over replicas; wall = slowest replica)")
-    print(f"{'backend':7} {'N':>2} {'P MB':>5} {'codec':5} | {'up MB':>7} {'down MB':>7} {'LB MB':>7} {'ratio':>6} {'wall s':>7} | "
-          f"{'naive up':>8} {'naive dn':>8} {'ratio':>6} {'wall s':>7} | {'speedup':>7} {'same':>4}")
+    print(
+        f"{'backend':7} {'N':>2} {'P MB':>5} {'codec':5} | "
+        f"{'up MB':>7} {'down MB':>7} {'LB MB':>7} {'ratio':>6} {'wall s':>7} | "
+        f"{'naive up':>8} {'naive dn':>8} {'ratio':>6} {'wall s':>7} | {'speedup':>7} {'same':>4}"
+    )
     naive = {(r["backend"], r["n"], r["p_mb"], r["codec"]): r for r in rows if r["method"] == "naive"}
     for r in rows:
         if r["method"] != "sharded":
             continue
         nv = naive.get((r["backend"], r["n"], r["p_mb"], r["codec"]))
-        nvs = (f"{nv['up_mb']:>8.1f} {nv['down_mb']:>8.1f} {nv['ratio']:>6.2f} {nv['wall_s']:>7.2f} | {nv['wall_s'] / r['wall_s']:>6.2f}x"
-               if nv else f"{'-':>8} {'-':>8} {'-':>6} {'-':>7} | {'-':>7}")
-        print(f"{r['backend']:7} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} | {r['up_mb']:>7.1f} {r['down_mb']:>7.1f} {r['lower_bound_mb']:>7.1f} "
-              f"{r['ratio']:>6.3f} {r['wall_s']:>7.2f} | {nvs} {'yes' if r['identical_across_ranks'] else 'NO':>4}")
-    print("\ntargets:", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in summ.items() if k != "speedups_s3_n8"}))
+        nvs = (
+            f"{nv['up_mb']:>8.1f} {nv['down_mb']:>8.1f} {nv['ratio']:>6.2f} {nv['wall_s']:>7.2f} | "
+            f"{nv['wall_s'] / r['wall_s']:>6.2f}x"
+            if nv
+            else f"{'-':>8} {'-':>8} {'-':>6} {'-':>7} | {'-':>7}"
+        )
+        print(
+            f"{r['backend']:7} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} | "
+            f"{r['up_mb']:>7.1f} {r['down_mb']:>7.1f} {r['lower_bound_mb']:>7.1f} "
+            f"{r['ratio']:>6.3f} {r['wall_s']:>7.2f} | {nvs} {'yes' if r['identical_across_ranks'] else 'NO':>4}"
+        )
+    print(
+        "\ntargets:",
+        json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in summ.items() if k != "speedups_s3_n8"}),
+    )
 
 
 if __name__ == "__main__":

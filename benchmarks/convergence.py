@@ -59,18 +59,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from safetensors.torch import save as st_save
 
-from diloco_serverless.trainer.checkpoint import FORMAT, INITIAL_KEY
 from diloco_serverless.config import RunConfig
 from diloco_serverless.data.builder import BatchBuilder
 from diloco_serverless.loss import compose_loss
-from diloco_serverless.trainer.model import build_model, count_parameters
-from diloco_serverless.run.record import create_run
 from diloco_serverless.run.members import read_metrics
+from diloco_serverless.run.record import create_run
 from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.trainer.checkpoint import FORMAT, INITIAL_KEY
 from diloco_serverless.trainer.loop import ReplicaTrainer
+from diloco_serverless.trainer.model import build_model, count_parameters
 
 N = 4
 RESULTS = Path(__file__).parent / "results" / "convergence.json"
@@ -196,7 +195,7 @@ def run_diloco(setup: Setup, sync_every: int, rounds: int, extra: list[str], roo
     def work(t: ReplicaTrainer) -> None:
         try:
             t.run()
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads_before = torch.get_num_threads()

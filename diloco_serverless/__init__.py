@@ -2,7 +2,8 @@
 
 The folders are the layers (docs/architecture.md): ``store`` < ``run`` < ``exchange`` < ``trainer``
 for the replica, ``executors`` < ``launcher`` < ``cli`` for the user's side, with ``config``,
-``errors``, ``loss`` and ``data`` beside them. Public names are imported lazily so that ``import diloco_serverless`` stays cheap (no torch
+``errors``, ``loss`` and ``data`` beside them. Public names are imported lazily so that
+``import diloco_serverless`` stays cheap (no torch
 import until a name that needs it is touched) and so that optional extras are only required
 by the parts that use them.
 """

@@ -26,7 +26,7 @@ import secrets as _secrets
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from pydantic import (
     BaseModel,
@@ -57,6 +57,11 @@ __all__ = [
     "generate_run_id",
     "find_secret",
     "RUN_ID_PATTERN",
+    "ROUND_TIMEOUT_S",
+    "STRAGGLER_TIMEOUT_S",
+    "TAKEOVER_TIMEOUT_S",
+    "POLL_INTERVAL_S",
+    "tomllib",
 ]
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -115,7 +120,9 @@ class DataConfig(_Section):
         32, ge=1, description="stdlib corpus: max tokens of preceding code used as the prompt (<= seq_len - 8)."
     )
     hint_len: int = Field(
-        64, ge=0, description="Max tokens of the hint (file path + module docstring) the self-distillation teacher sees."
+        64,
+        ge=0,
+        description="Max tokens of the hint (file path + module docstring) the self-distillation teacher sees.",
     )
     eval_fraction: float = Field(
         0.05, gt=0.0, lt=1.0, description="stdlib / JSONL: share of files (records) held out for eval, by path hash."
@@ -144,9 +151,7 @@ class InnerConfig(_Section):
     weight_decay: float = Field(0.1, ge=0.0, description="AdamW decoupled weight decay.")
     grad_clip: float = Field(1.0, ge=0.0, description="Max global grad norm per inner step; 0 disables clipping.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
-    sync_every: int = Field(
-        16, ge=1, description="H: inner steps per round (between outer syncs of the whole model)."
-    )
+    sync_every: int = Field(16, ge=1, description="H: inner steps per round (between outer syncs of the whole model).")
 
     @field_validator("betas")
     @classmethod
@@ -199,9 +204,7 @@ class LossConfig(_Section):
     @model_validator(mode="after")
     def _taid_range(self) -> LossConfig:
         if self.taid_t_end < self.taid_t_start:
-            raise ValueError(
-                f"loss.taid_t_end ({self.taid_t_end}) must be >= loss.taid_t_start ({self.taid_t_start})"
-            )
+            raise ValueError(f"loss.taid_t_end ({self.taid_t_end}) must be >= loss.taid_t_start ({self.taid_t_start})")
         return self
 
     def compose_kwargs(self, taid_t: float | None = None) -> dict[str, Any]:
@@ -243,9 +246,13 @@ class ExchangeConfig(_Section):
         0, ge=0, description="Inner steps a fragment's exchange overlaps with training (Streaming DiLoCo tau)."
     )
     straggler_timeout_s: float = Field(
-        STRAGGLER_TIMEOUT_S, gt=0.0, description="After the first ready marker, wait this long for the rest before a partial quorum."
+        STRAGGLER_TIMEOUT_S,
+        gt=0.0,
+        description="After the first ready marker, wait this long for the rest before a partial quorum.",
     )
-    round_timeout_s: float = Field(ROUND_TIMEOUT_S, gt=0.0, description="Give up on a round (TimeoutError) after this long.")
+    round_timeout_s: float = Field(
+        ROUND_TIMEOUT_S, gt=0.0, description="Give up on a round (TimeoutError) after this long."
+    )
     takeover_timeout_s: float = Field(
         TAKEOVER_TIMEOUT_S, gt=0.0, description="Reduce a dead owner's shard from stored contributions after this long."
     )
@@ -285,7 +292,8 @@ class RunConfig(_Section):
         description="Run name, the folder under the store; default run-<UTC date>-<time>-<4 hex>.",
     )
     store: str = Field(
-        "./runs", description="Store URL runs live under: a local path, file://, memory://, s3://bucket/prefix, gs://..."
+        "./runs",
+        description="Store URL runs live under: a local path, file://, memory://, s3://bucket/prefix, gs://...",
     )
     replicas: int = Field(4, ge=1, le=4096, description="N: replicas launched (the exchange's world size).")
     min_replicas: int | None = Field(
@@ -293,7 +301,9 @@ class RunConfig(_Section):
     )
     rounds: int = Field(10, ge=1, description="Outer rounds (each = inner.sync_every inner steps + one sync).")
     checkpoint_every: int = Field(5, ge=0, description="Global checkpoint every this many rounds; 0 = only at the end.")
-    eval_every: int = Field(5, ge=0, description="Rank 0 evaluates on the held-out split every this many rounds; 0 = end only.")
+    eval_every: int = Field(
+        5, ge=0, description="Rank 0 evaluates on the held-out split every this many rounds; 0 = end only."
+    )
     seed: int = Field(0, ge=0, description="Seed of model init, data order and shuffles (plus rank where per-replica).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="[model] section.")
     data: DataConfig = Field(default_factory=DataConfig, description="[data] section.")
@@ -337,7 +347,8 @@ class RunConfig(_Section):
         """Load ``path`` (TOML; None = defaults) and apply dotted ``key=value`` overrides.
 
         Values are parsed as TOML literals (``3e-4``, ``true``, ``[0.9, 0.95]``, ``"x"``) and fall back
-        to a plain string; ``none`` / ``null`` unset an optional field (``min_replicas=none``). Unknown keys raise ConfigError listing close matches; invalid values raise
+        to a plain string; ``none`` / ``null`` unset an optional field (``min_replicas=none``).
+        Unknown keys raise ConfigError listing close matches; invalid values raise
         ConfigError naming the field and what it accepts.
         """
         raw: dict[str, Any] = _read_toml(Path(path)) if path is not None else {}
@@ -400,7 +411,8 @@ class RunConfig(_Section):
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as fh:
-            return tomllib.load(fh)
+            data: dict[str, Any] = tomllib.load(fh)
+            return data
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist; pass an existing TOML file (see examples/)") from None
     except tomllib.TOMLDecodeError as exc:
@@ -471,7 +483,7 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any, root: type[BaseModel]
         if not is_section:
             raise _unknown_key_error(key, "--set")
         node = node.setdefault(part, {})
-        model = ann
+        model = cast(type[BaseModel], ann)
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:

@@ -76,10 +76,11 @@ class MockGroup:
         if not ranks:  # nobody had data: the round stays open for a later contributor
             self._cond.notify_all()
             return
-        total = torch.zeros_like(got[ranks[0]], dtype=torch.float32)
+        present = {r: t for r, t in got.items() if t is not None}
+        total = torch.zeros_like(present[ranks[0]], dtype=torch.float32)
         for r in ranks:
-            total += got[r].to(torch.float32)
-        self.reduced[round_] = ((total / len(ranks)).to(got[ranks[0]].dtype), ranks)
+            total += present[r].to(torch.float32)
+        self.reduced[round_] = ((total / len(ranks)).to(present[ranks[0]].dtype), ranks)
         self._cond.notify_all()
 
 
@@ -116,9 +117,6 @@ class MockManager(ManagerBase):
     def _read_round(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
         got = self.group.reduced.get(round_)
         return None if got is None else got[0].clone()
-
-    def read_reduced(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
-        return self._read_round(round_, like)
 
     def prune(self, before_round: int) -> None:
         for r in [r for r in self.group.reduced if r < before_round]:

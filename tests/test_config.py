@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT
 
 from diloco_serverless.config import RUN_ID_PATTERN, RunConfig
 from diloco_serverless.errors import ConfigError
+from support import REPO_ROOT
 
 ROOT = REPO_ROOT
 

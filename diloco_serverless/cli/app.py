@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -98,7 +98,7 @@ def _errors() -> Iterator[None]:
     except KeyboardInterrupt:
         _err("interrupted")
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except Exception as e:  # noqa: BLE001 - last resort: one line, not a traceback
+    except Exception as e:
         _err(f"unexpected {type(e).__name__}: {one_line(str(e))} (rerun with DILOCO_DEBUG=1 for the traceback)")
         raise typer.Exit(EXIT_FAILED) from None
 
@@ -147,22 +147,42 @@ class _Progress:
 @app.command()
 def launch(
     executor: str = typer.Option("local", "--executor", "-e", help="Where replicas run: local, modal or hf-jobs."),
-    replicas: Optional[int] = typer.Option(None, "--replicas", "-n", help="Number of replicas N (default: config, 4)."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", "--flavor",
-                                      help="Modal GPU type (A100, H100, H100:2, ...) or HF Jobs flavor (a10g-large, ...)."),
-    store: Optional[str] = typer.Option(None, "--store", help="Store URL runs live under: ./runs, s3://bucket/prefix, gs://..."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML run config (see docs/config.md)."),
-    set_: list[str] = typer.Option([], "--set", "-s", help="Override a config key, e.g. --set inner.lr=3e-4 (repeatable)."),
+    replicas: int | None = typer.Option(None, "--replicas", "-n", help="Number of replicas N (default: config, 4)."),
+    gpu: str | None = typer.Option(
+        None, "--gpu", "--flavor", help="Modal GPU type (A100, H100, H100:2, ...) or HF Jobs flavor (a10g-large, ...)."
+    ),
+    store: str | None = typer.Option(
+        None, "--store", help="Store URL runs live under: ./runs, s3://bucket/prefix, gs://..."
+    ),
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML run config (see docs/config.md)."),
+    set_: list[str] = typer.Option(
+        [], "--set", "-s", help="Override a config key, e.g. --set inner.lr=3e-4 (repeatable)."
+    ),
     detach: bool = typer.Option(False, "--detach", "-d", help="Return after launching; watch with `diloco status`."),
-    max_usd: Optional[float] = typer.Option(None, "--max-usd", help="Cancel the run before the estimated spend exceeds this."),
-    store_from_terraform: Optional[Path] = typer.Option(
-        None, "--store-from-terraform", help="Terraform dir (or saved `terraform output -json` file) whose exchange_url is the store."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: run-<date>-<time>-<hex>)."),
-    secret: list[str] = typer.Option([], "--secret", help="Modal Secret / HF Jobs secret name with storage credentials (repeatable)."),
-    retries: Optional[int] = typer.Option(None, "--retries", min=0,
-                                          help="Restarts per replica after a crash or preemption (executor default: local 2, modal 3, hf-jobs 2)."),
-    executor_opt: list[str] = typer.Option([], "--executor-opt", "-x",
-                                           help="Executor option KEY=VALUE, repeatable (e.g. -x local_source=true, -x namespace=my-org)."),
+    max_usd: float | None = typer.Option(
+        None, "--max-usd", help="Cancel the run before the estimated spend exceeds this."
+    ),
+    store_from_terraform: Path | None = typer.Option(
+        None,
+        "--store-from-terraform",
+        help="Terraform dir (or saved `terraform output -json` file) whose exchange_url is the store.",
+    ),
+    run_id: str | None = typer.Option(None, "--run-id", help="Run id (default: run-<date>-<time>-<hex>)."),
+    secret: list[str] = typer.Option(
+        [], "--secret", help="Modal Secret / HF Jobs secret name with storage credentials (repeatable)."
+    ),
+    retries: int | None = typer.Option(
+        None,
+        "--retries",
+        min=0,
+        help="Restarts per replica after a crash or preemption (executor default: local 2, modal 3, hf-jobs 2).",
+    ),
+    executor_opt: list[str] = typer.Option(
+        [],
+        "--executor-opt",
+        "-x",
+        help="Executor option KEY=VALUE, repeatable (e.g. -x local_source=true, -x namespace=my-org).",
+    ),
     poll_interval_s: float = typer.Option(2.0, "--poll-interval", help="Seconds between progress polls.", min=0.1),
 ) -> None:
     """Create a run in the store, start its replicas, and follow it to the end (unless --detach)."""
@@ -173,20 +193,32 @@ def launch(
         if max_usd is not None and detach:
             raise LaunchError("--max-usd needs the launcher attached to enforce it; drop --detach")
         if max_usd is not None and executor in PRICE_TABLES and usd_per_replica_hour(executor, gpu) is None:
-            raise LaunchError(f"--max-usd needs a price for {executor} GPU {gpu!r}, which the price table lacks; "
-                              "drop --max-usd or pick a listed GPU")
+            raise LaunchError(
+                f"--max-usd needs a price for {executor} GPU {gpu!r}, which the price table lacks; "
+                "drop --max-usd or pick a listed GPU"
+            )
         options: dict[str, Any] = parse_options(executor_opt)
         if secret:
             options["secrets"] = list(secret)
         if retries is not None:
             options["retries"] = retries
-        run = api_launch(config, executor, overrides=set_, replicas=replicas, store=store, run_id=run_id,
-                         gpu=gpu, store_from_terraform=store_from_terraform, executor_options=options)
+        run = api_launch(
+            config,
+            executor,
+            overrides=set_,
+            replicas=replicas,
+            store=store,
+            run_id=run_id,
+            gpu=gpu,
+            store_from_terraform=store_from_terraform,
+            executor_options=options,
+        )
         out.print(f"launched {run.config.replicas} {run.executor_kind} replicas of run {run.run_id}", markup=False)
         out.print(f"run URL: {run.url}", markup=False)
         if detach:
-            out.print(f"follow it with: diloco status {run.url} --watch   (cancel: diloco cancel {run.url})",
-                      markup=False)
+            out.print(
+                f"follow it with: diloco status {run.url} --watch   (cancel: diloco cancel {run.url})", markup=False
+            )
             return
         try:
             with _Progress(out) as progress:
@@ -211,15 +243,17 @@ def _print_failed_logs(out: Console, run: Any, status: Any, lines: int = 8) -> N
     for rank, _ in status.failures:
         try:
             tail = run.logs(rank, tail=lines)
-        except Exception:  # noqa: BLE001 - the log is a courtesy; the error line follows anyway
+        except Exception:
             continue
         out.print(f"--- last {lines} log lines of rank {rank} ---", markup=False)
         out.print(tail.rstrip("\n"), markup=False, highlight=False)
 
 
 # ---------------------------------------------------------------------------------------- reading
-RUN_HELP = ("<store_url>/<run_id> as printed by `diloco launch`, or a run id under ./runs; "
-            "default: the latest run under ./runs.")
+RUN_HELP = (
+    "<store_url>/<run_id> as printed by `diloco launch`, or a run id under ./runs; "
+    "default: the latest run under ./runs."
+)
 DEFAULT_STORE = "./runs"
 
 
@@ -241,7 +275,7 @@ def _attach(run_url: str | None) -> Any:
 
 @app.command()
 def status(
-    run_url: Optional[str] = typer.Argument(None, help=RUN_HELP),
+    run_url: str | None = typer.Argument(None, help=RUN_HELP),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until the run ends (Ctrl-C to stop watching)."),
     interval_s: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch.", min=0.1),
 ) -> None:
@@ -268,10 +302,10 @@ def status(
 
 @app.command()
 def logs(
-    run_url: Optional[str] = typer.Argument(None, help=RUN_HELP),
+    run_url: str | None = typer.Argument(None, help=RUN_HELP),
     rank: int = typer.Option(0, "--rank", "-r", help="Replica rank."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until the replica ends."),
-    tail: Optional[int] = typer.Option(None, "--tail", help="Only the last N lines."),
+    tail: int | None = typer.Option(None, "--tail", help="Only the last N lines."),
     interval_s: float = typer.Option(1.0, "--interval", help="Seconds between polls with --follow.", min=0.1),
 ) -> None:
     """Print one replica's log (from the executor, or <run>/logs/rank-<r>.log)."""
@@ -290,7 +324,7 @@ def _follow(run: Any, rank: int, seen: str, interval_s: float) -> None:
         while True:
             time.sleep(interval_s)
             text = run.logs(rank)
-            new = text[len(seen):] if text.startswith(seen) else text
+            new = text[len(seen) :] if text.startswith(seen) else text
             if new:
                 sys.stdout.write(new)
                 sys.stdout.flush()
@@ -302,7 +336,7 @@ def _follow(run: Any, rank: int, seen: str, interval_s: float) -> None:
 
 
 @app.command()
-def cancel(run_url: Optional[str] = typer.Argument(None, help=RUN_HELP)) -> None:
+def cancel(run_url: str | None = typer.Argument(None, help=RUN_HELP)) -> None:
     """Cancel every replica of a run through the executor that launched it."""
     with _errors():
         run = _attach(run_url)
@@ -328,11 +362,17 @@ def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live
             run = Run(root.child(record.run_id), record)
             st = run.status(with_metrics=False)
             last = run.latest_metrics(0) or {}
-            rows.append({"run_id": record.run_id, "created": record.created_at, "executor": st.executor,
-                         "replicas": record.config.replicas,
-                         "rounds": f"{'-' if st.round is None else st.round}/{record.config.rounds}",
-                         "state": st.state if record.launch else "created",
-                         "loss": eval_loss_of(last) or train_loss_of(last) or st.loss})
+            rows.append(
+                {
+                    "run_id": record.run_id,
+                    "created": record.created_at,
+                    "executor": st.executor,
+                    "replicas": record.config.replicas,
+                    "rounds": f"{'-' if st.round is None else st.round}/{record.config.rounds}",
+                    "state": st.state if record.launch else "created",
+                    "loss": eval_loss_of(last) or train_loss_of(last) or st.loss,
+                }
+            )
         if not rows:
             out.print(f"no runs under {root.url}", markup=False)
             return
@@ -341,7 +381,7 @@ def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live
 
 @app.command()
 def plot(
-    run_url: Optional[str] = typer.Argument(None, help=RUN_HELP),
+    run_url: str | None = typer.Argument(None, help=RUN_HELP),
     output: Path = typer.Option(Path("loss.png"), "--output", "-o", help="PNG file to write."),
 ) -> None:
     """Plot per-replica training loss and eval loss against rounds (PNG, matplotlib Agg)."""

@@ -1,7 +1,8 @@
 """Batches for ``compose_loss``: one replica's deterministic, restartable stream of training data.
 
-``BatchBuilder.from_config(cfg, tokenizer, rank=r, ref_model=ref)`` yields dicts with the keys of
-CONTRACTS.md (all ``torch.long`` ``[B, T]`` except the ``[B]`` fp32 reference log-probs)::
+``BatchBuilder.from_config(cfg, tokenizer, rank=r, ref_model=ref)`` yields dicts with the batch
+keys :mod:`diloco_serverless.loss.compose` reads (all ``torch.long`` ``[B, T]`` except the ``[B]``
+fp32 reference log-probs)::
 
     input_ids, attention_mask, response_mask                                   channel 1 (always)
     ctx_teacher_input_ids, ctx_teacher_attention_mask, ctx_teacher_response_mask   channel 2 (alpha_sdpo > 0)

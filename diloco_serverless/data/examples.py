@@ -97,7 +97,7 @@ def collate(
     teacher: bool = True,
     dpo: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Right-padded batch tensors with the ``compose_loss`` keys (CONTRACTS.md).
+    """Right-padded batch tensors with the batch keys ``compose_loss`` reads (:mod:`diloco_serverless.loss.compose`).
 
     Student rows are ``[B, seq_len]``; teacher rows ``[B, seq_len + hint_len]`` and hold exactly the
     student's (possibly truncated) response, so both masks select the same number of tokens. An empty

@@ -114,7 +114,7 @@ def _is_byte_tokenizer(tokenizer: Any) -> bool:
     """True when ``tokenizer`` maps text to its UTF-8 bytes (the tiny preset): lines then need no tokenizer."""
     try:
         return list(tokenizer(_PROBE, add_special_tokens=False)["input_ids"]) == list(_PROBE.encode("utf-8"))
-    except Exception:  # noqa: BLE001 - any tokenizer failure just disables the fast path
+    except Exception:
         return False
 
 

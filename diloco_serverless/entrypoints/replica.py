@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     old_factory = logging.getLogRecordFactory()
 
     def factory(*a: object, **kw: object) -> logging.LogRecord:
-        record = old_factory(*a, **kw)  # type: ignore[arg-type]
+        record = old_factory(*a, **kw)
         record.rank = rank_text
         return record
 
@@ -117,7 +117,7 @@ def _main(args: argparse.Namespace, rank_text: str) -> int:
         result = trainer.run()
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # noqa: BLE001 - the one-line summary is the contract
+    except Exception as exc:
         logger.exception("training failed")
         print(f"error: replica rank {rank} of {args.run_url} failed: {_one_line(exc)}", file=sys.stderr)
         return 2 if isinstance(exc, _SETUP_ERRORS) else 1

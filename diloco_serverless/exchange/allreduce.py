@@ -1,7 +1,7 @@
 """``ObjectStoreAllReduce``: a bandwidth-optimal, fault-tolerant all-reduce (mean) through an object store.
 
 The replicas share nothing but a bucket (S3, GCS, a local folder). One call is one round
-(DESIGN.md "The exchange"): the flat tensor is cut into S = world_size fixed shards; each replica
+(docs/architecture.md, "The exchange protocol"): the flat tensor is cut into S = world_size fixed shards; each replica
 PUTs its S contribution objects then a ``ready`` marker; a create-only ``quorum.json`` fixes the
 participants Q (all N, or at least ``min_replicas`` after the straggler deadline); shard j is
 reduced by ``Q[j mod |Q|]``, which sums the participants' decoded shards in rank order in fp32,
@@ -158,10 +158,17 @@ class ObjectStoreAllReduce:
         storage_options: dict[str, Any] | None = None,
         poll_interval_s: float = POLL_INTERVAL_S,
     ) -> None:
-        _validate(rank, world_size, min_replicas, timeout_s, straggler_timeout_s, takeover_timeout_s, keep_rounds, poll_interval_s)
+        _validate(
+            rank, world_size, min_replicas, timeout_s, straggler_timeout_s, takeover_timeout_s, keep_rounds,
+            poll_interval_s,
+        )
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
         self.codec = validate_codec(codec)
-        self.timeout_s, self.straggler_timeout_s, self.takeover_timeout_s = timeout_s, straggler_timeout_s, takeover_timeout_s
+        self.timeout_s, self.straggler_timeout_s, self.takeover_timeout_s = (
+            timeout_s,
+            straggler_timeout_s,
+            takeover_timeout_s,
+        )
         self.min_replicas = world_size if min_replicas is None else min_replicas
         self.error_feedback, self.keep_rounds, self.poll_interval_s = error_feedback, keep_rounds, poll_interval_s
         self.last_stats: RoundStats | None = None
@@ -174,7 +181,9 @@ class ObjectStoreAllReduce:
 
     # ------------------------------------------------------------------ public API
 
-    def allreduce(self, tensor: torch.Tensor, *, round: int | None = None, residual_key: str = "default") -> torch.Tensor:
+    def allreduce(
+        self, tensor: torch.Tensor, *, round: int | None = None, residual_key: str = "default"
+    ) -> torch.Tensor:
         """Return the element-wise mean of ``tensor`` over this round's participants.
 
         Same dtype, shape and device as ``tensor``; bit-identical on every replica. ``round``
@@ -225,14 +234,21 @@ class ObjectStoreAllReduce:
         blobs = self._io.get_many(keys, missing_ok=True)
         if len(blobs) != len(keys):
             return None
-        parts = [decode_shard(blobs[k], key=k, expect=self._reduced_header(round, j, b, ref)) for j, (k, b) in enumerate(zip(keys, bounds))]
+        parts = [
+            decode_shard(blobs[k], key=k, expect=self._reduced_header(round, j, b, ref))
+            for j, (k, b) in enumerate(zip(keys, bounds))
+        ]
         return torch.cat(parts).view(like.shape).to(device=like.device, dtype=like.dtype)
 
     def prune(self, before_round: int) -> None:
         """Delete every stored round numbered below ``before_round`` (missing rounds are fine)."""
         if self._io is None:
             return
-        rounds = {int(k.split("/")[1]) for k in self._io.list(ROUNDS_PREFIX) if k.count("/") >= 2 and k.split("/")[1].isdigit()}
+        rounds = {
+            int(k.split("/")[1])
+            for k in self._io.list(ROUNDS_PREFIX)
+            if k.count("/") >= 2 and k.split("/")[1].isdigit()
+        }
         for r in sorted(x for x in rounds if x < before_round):
             self._io.delete(round_prefix(r), recursive=True)
 
@@ -262,7 +278,9 @@ class ObjectStoreAllReduce:
             rs.own = self._publish(rs, flat)
             waited = time.monotonic()
             rs.stats.phases_s["publish"] = waited - t
-            wait = QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline, self.poll_interval_s)
+            wait = QuorumWait(
+                self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline, self.poll_interval_s
+            )
             quorum = wait_for_quorum(io, rs.me, wait, on_ready=lambda ready: self._prefetch(rs, ready))
             rs.stats.wait_s += time.monotonic() - waited
             rs.stats.phases_s["quorum"] = time.monotonic() - waited
@@ -277,7 +295,9 @@ class ObjectStoreAllReduce:
         def one(j: int) -> torch.Tensor:
             a, b = rs.bounds[j]
             enc = encode_values(flat[a:b], self.codec)
-            header = ShardHeader(self.run_id, rs.r, j, "contrib", self.codec, b - a, self.rank, rs.me.dtype, rs.me.shape)
+            header = ShardHeader(
+                self.run_id, rs.r, j, "contrib", self.codec, b - a, self.rank, rs.me.dtype, rs.me.shape
+            )
             io.put(contrib_key(rs.r, j, self.rank), pack(enc, asdict(header)))
             return decode_values(enc, self.codec, b - a)
 
@@ -317,7 +337,9 @@ class ObjectStoreAllReduce:
                 continue
             if now >= rs.deadline:
                 owners = {j: quorum.participants[j % len(quorum.participants)] for j in missing}
-                raise TimeoutError(f"round {rs.r}: reduced shards never appeared (shard: owner rank) {owners}; check those replicas")
+                raise TimeoutError(
+                    f"round {rs.r}: reduced shards never appeared (shard: owner rank) {owners}; check those replicas"
+                )
             pause = min(sleep_s, max(0.0, rs.deadline - now))
             time.sleep(pause)
             rs.stats.wait_s += pause
@@ -325,7 +347,9 @@ class ObjectStoreAllReduce:
         rs.stats.phases_s["gather"] = time.monotonic() - started
         return out
 
-    def _fetch_reduced(self, rs: _Round, missing: list[int], ref: ReadyMarker, place: Callable[[int, torch.Tensor], None]) -> bool:
+    def _fetch_reduced(
+        self, rs: _Round, missing: list[int], ref: ReadyMarker, place: Callable[[int, torch.Tensor], None]
+    ) -> bool:
         """Download and verify the reduced shards among ``missing`` that exist now; False if none did."""
         io = self._io
         assert io is not None
@@ -394,7 +418,16 @@ class ObjectStoreAllReduce:
     # ------------------------------------------------------------------ helpers
 
     def _marker(self, r: int, tensor: torch.Tensor) -> ReadyMarker:
-        return ReadyMarker(self.run_id, r, self.rank, self.world_size, tensor.numel(), str(tensor.dtype), list(tensor.shape), self.codec)
+        return ReadyMarker(
+            self.run_id,
+            r,
+            self.rank,
+            self.world_size,
+            tensor.numel(),
+            str(tensor.dtype),
+            list(tensor.shape),
+            self.codec,
+        )
 
     def _reduced_header(self, r: int, j: int, bounds: tuple[int, int], ref: ReadyMarker) -> ShardHeader:
         return ShardHeader(self.run_id, r, j, "reduced", ref.codec, bounds[1] - bounds[0], None, ref.dtype, ref.shape)
@@ -407,7 +440,9 @@ class ObjectStoreAllReduce:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(16, self.world_size), thread_name_prefix=f"exchange-{self.rank}")
+            self._pool = ThreadPoolExecutor(
+                max_workers=min(16, self.world_size), thread_name_prefix=f"exchange-{self.rank}"
+            )
         return self._pool
 
 
@@ -428,7 +463,6 @@ def _batches(shards: list[int], bounds: list[tuple[int, int]], max_elems: int) -
 
 def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, timeout_s: float) -> ObjectStore:
     """Open the store; no single store operation (retries included) may outlive the round's timeout."""
-
 
     options = dict(storage_options or {})
     if isinstance(url, str) and url.startswith("s3://"):
@@ -457,7 +491,12 @@ def _validate(
         raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got rank={rank}; check REPLICA_RANK")
     if min_replicas is not None and not 1 <= min_replicas <= world_size:
         raise ValueError(f"min_replicas must be between 1 and world_size={world_size}, got {min_replicas}")
-    for name, v in (("timeout_s", timeout_s), ("straggler_timeout_s", straggler_timeout_s), ("takeover_timeout_s", takeover_timeout_s), ("poll_interval_s", poll_interval_s)):
+    for name, v in (
+        ("timeout_s", timeout_s),
+        ("straggler_timeout_s", straggler_timeout_s),
+        ("takeover_timeout_s", takeover_timeout_s),
+        ("poll_interval_s", poll_interval_s),
+    ):
         if not v > 0:
             raise ValueError(f"{name} must be > 0 seconds, got {v}")
     if keep_rounds is not None and keep_rounds < 1:

@@ -130,7 +130,7 @@ def roundtrip(values: torch.Tensor, codec: str) -> torch.Tensor:
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def _checksum(header_json: str, names: list[str], buffers: Mapping[str, memoryview]) -> str:
@@ -159,7 +159,9 @@ def pack(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> byte
         t = tensors[n]
         if t.dtype not in _ST_DTYPES:
             raise ValueError(f"cannot store tensor {n!r} of dtype {t.dtype} in an exchange object")
-        st_header[n] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(bufs[n])]}
+        st_header[n] = {
+            "dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(bufs[n])],
+        }
         offset += len(bufs[n])
     hb = json.dumps(st_header, separators=(",", ":")).encode()
     hb += b" " * ((-len(hb)) % 8)
@@ -176,14 +178,17 @@ def unpack(data: bytes, *, key: str) -> tuple[dict[str, torch.Tensor], dict[str,
     try:
         meta, tensors = _parse_safetensors(memoryview(data).cast("B"))
     except (ValueError, KeyError, TypeError, struct.error) as e:
-        raise CorruptObjectError(f"exchange object {key!r} is truncated or not safetensors ({len(data)} bytes): {e}") from e
+        raise CorruptObjectError(
+            f"exchange object {key!r} is truncated or not safetensors ({len(data)} bytes): {e}"
+        ) from e
     if meta.get("format") != FORMAT or "header" not in meta or "checksum" not in meta:
         raise CorruptObjectError(f"object {key!r} is safetensors but not a {FORMAT} exchange object; refusing it")
     names = sorted(tensors)
     got = _checksum(meta["header"], names, {n: _tensor_bytes(tensors[n]) for n in names})
     if got != meta["checksum"]:
         raise CorruptObjectError(
-            f"exchange object {key!r} failed its checksum (stored {str(meta['checksum'])[:20]}..., computed {got[:20]}...); "
+            f"exchange object {key!r} failed its checksum "
+            f"(stored {str(meta['checksum'])[:20]}..., computed {got[:20]}...); "
             "it was corrupted in transit or at rest and is not averaged in"
         )
     try:
@@ -216,7 +221,11 @@ def _parse_safetensors(buf: memoryview) -> tuple[dict[str, Any], dict[str, torch
         end = b
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write into it
-            t = torch.frombuffer(body, dtype=torch.uint8, count=b - a, offset=a) if b > a else torch.empty(0, dtype=torch.uint8)
+            t = (
+                torch.frombuffer(body, dtype=torch.uint8, count=b - a, offset=a)
+                if b > a
+                else torch.empty(0, dtype=torch.uint8)
+            )
         tensors[name] = t.view(dtype).reshape([int(d) for d in info["shape"]])
     if end != len(body):
         raise ValueError(f"data section has {len(body)} bytes but the tensors cover {end}")

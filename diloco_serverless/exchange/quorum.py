@@ -1,4 +1,6 @@
-"""Ready markers and the create-only quorum of an exchange round (DESIGN.md "The exchange", step 2).
+"""Ready markers and the create-only quorum of an exchange round.
+
+See docs/architecture.md, "The exchange protocol", step 2.
 
 A replica writes ``ready/rank-<r>`` after all of its contribution objects. The first replica that
 sees all N ready markers, or whose straggler deadline passes with at least ``min_replicas`` ready,
@@ -85,16 +87,25 @@ class Quorum:
         try:
             obj = json.loads(data.decode("utf-8"))
             markers = {int(r): ReadyMarker.from_json(m, key=key) for r, m in obj["markers"].items()}
-            q = cls(obj["run_id"], int(obj["round"]), sorted(int(r) for r in obj["participants"]), markers, int(obj["created_by"]))
+            q = cls(
+                obj["run_id"],
+                int(obj["round"]),
+                sorted(int(r) for r in obj["participants"]),
+                markers,
+                int(obj["created_by"]),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CorruptObjectError(f"quorum object {key!r} is not valid quorum JSON ({e}); refusing it") from e
         if q.run_id != run_id or q.round != round:
             raise CorruptObjectError(
-                f"quorum object {key!r} belongs to run {q.run_id!r} round {q.round}, expected run {run_id!r} round {round}; "
+                f"quorum object {key!r} belongs to run {q.run_id!r} round {q.round}, "
+                f"expected run {run_id!r} round {round}; "
                 "is another run using the same store URL and run id?"
             )
         if not q.participants or set(q.participants) != set(markers):
-            raise CorruptObjectError(f"quorum object {key!r} lists participants {q.participants} without matching markers")
+            raise CorruptObjectError(
+                f"quorum object {key!r} lists participants {q.participants} without matching markers"
+            )
         return q
 
 
@@ -113,7 +124,8 @@ def check_agreement(quorum: Quorum, me: ReadyMarker) -> None:
         other = quorum.markers[r]
         if other.signature() != ref.signature():
             raise MismatchError(
-                f"round {quorum.round}: replicas disagree on what they average — {ref.describe()} vs {other.describe()}; "
+                f"round {quorum.round}: replicas disagree on what they average — "
+                f"{ref.describe()} vs {other.describe()}; "
                 "every replica must all-reduce the same flat tensor with the same codec and world size"
             )
     if me.signature() != ref.signature():
@@ -150,7 +162,8 @@ def _try_create(io: CountingStore, me: ReadyMarker, ready: set[int]) -> None:
 def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
     """Raise :class:`RoundPrunedError` if a later round already has a quorum (one recursive listing)."""
     later = sorted(
-        int(parts[1]) for parts in (k.split("/") for k in io.list(ROUNDS_PREFIX))
+        int(parts[1])
+        for parts in (k.split("/") for k in io.list(ROUNDS_PREFIX))
         if len(parts) == 3 and parts[2] == "quorum.json" and parts[1].isdigit() and int(parts[1]) > me.round
     )
     if later:
@@ -160,7 +173,9 @@ def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
         )
 
 
-def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait, on_ready: Callable[[set[int]], None] | None = None) -> Quorum:
+def wait_for_quorum(
+    io: CountingStore, me: ReadyMarker, p: QuorumWait, on_ready: Callable[[set[int]], None] | None = None
+) -> Quorum:
     """Poll ``ready/`` until a quorum exists, writing it ourselves when we are entitled to.
 
     Entitled = all N ready, or our straggler deadline passed with ``min_replicas`` ready. The
@@ -180,7 +195,9 @@ def wait_for_quorum(io: CountingStore, me: ReadyMarker, p: QuorumWait, on_ready:
         if on_ready is not None:
             on_ready(ready)
         now = time.monotonic()
-        entitled = len(ready) >= p.world_size or (now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas)
+        entitled = len(ready) >= p.world_size or (
+            now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas
+        )
         if entitled:
             entitled_since = now if entitled_since is None else entitled_since
             if me.rank == min(ready) or now - entitled_since >= grace_s:

@@ -14,9 +14,9 @@ Backends import their SDKs lazily, so ``import diloco_serverless.executors`` nee
 
 from __future__ import annotations
 
+from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors.base import (
     CollectTimeout,
-    ExecutorError,
     ExecutorUnavailable,
     ReplicaFailedError,
     ReplicaHandle,

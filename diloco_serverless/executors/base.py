@@ -69,7 +69,7 @@ class ReplicaHandle:
         return {"kind": self.kind, "rank": self.rank, **dict(self.data)}
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any] | str) -> "ReplicaHandle":
+    def from_json(cls, obj: Mapping[str, Any] | str) -> ReplicaHandle:
         """Inverse of :meth:`to_json`; accepts the dict or its JSON text."""
         if isinstance(obj, str):
             obj = json.loads(obj)
@@ -190,6 +190,15 @@ class ServerlessExecutor(Protocol):
     def cancel(self, handles: Sequence[ReplicaHandle]) -> None: ...
 
     def logs(self, handle: ReplicaHandle, tail: int | None = 200) -> str: ...
+
+
+class ExecutorFactory(Protocol):
+    """An executor class as the registry uses it: build one from options, or rebuild one from a
+    handle stored in run.json (to poll, cancel or read logs of replicas another process launched)."""
+
+    def __call__(self, **options: Any) -> ServerlessExecutor: ...
+
+    def from_handle(self, handle: ReplicaHandle, **options: Any) -> ServerlessExecutor: ...
 
 
 def timeout_seconds(timeout: float | timedelta | None) -> float | None:

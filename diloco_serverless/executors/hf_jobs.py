@@ -27,10 +27,10 @@ from datetime import timedelta
 from typing import Any
 
 from diloco_serverless import __version__
+from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors.base import (
     STORAGE_CONFIG_ENV,
     STORAGE_SECRET_ENV,
-    ExecutorError,
     ExecutorUnavailable,
     ReplicaHandle,
     ReplicaResult,
@@ -127,7 +127,7 @@ class HFJobsExecutor:
         self._namespace = namespace
 
     @classmethod
-    def from_handle(cls, handle: ReplicaHandle, **options: Any) -> "HFJobsExecutor":
+    def from_handle(cls, handle: ReplicaHandle, **options: Any) -> HFJobsExecutor:
         """An executor for ``handle``'s endpoint and namespace (token from env or ``options``)."""
         options.setdefault("endpoint", handle.data.get("endpoint"))
         options.setdefault("namespace", handle.data.get("namespace"))

@@ -32,6 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors._proc import (
     kill_tree,
     pid_alive,
@@ -41,7 +42,6 @@ from diloco_serverless.executors._proc import (
     write_json_atomic,
 )
 from diloco_serverless.executors.base import (
-    ExecutorError,
     ReplicaHandle,
     ReplicaResult,
     ReplicaState,
@@ -112,7 +112,7 @@ class LocalProcessExecutor:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
     @classmethod
-    def from_handle(cls, handle: ReplicaHandle, **options: Any) -> "LocalProcessExecutor":
+    def from_handle(cls, handle: ReplicaHandle, **options: Any) -> LocalProcessExecutor:
         """An executor able to poll/cancel/read ``handle`` (everything needed is in the handle)."""
         return cls(**options)
 
@@ -182,7 +182,7 @@ class LocalProcessExecutor:
         st = read_json(state_path) or {}
         status = st.get("status", "pending")
         detail = {"pid": d["pid"], "child_pid": st.get("child_pid"), "log_path": d["log_path"]}
-        common = dict(rank=handle.rank, attempt=int(st.get("attempt", 0)), detail=detail)
+        common: dict[str, Any] = dict(rank=handle.rank, attempt=int(st.get("attempt", 0)), detail=detail)
         if status in ("succeeded", "failed", "cancelled"):
             return ReplicaState(status=ReplicaStatus(status), reason=st.get("reason"),
                                 exit_code=st.get("exit_code"), **common)

@@ -39,10 +39,10 @@ from typing import Any
 from packaging.requirements import Requirement
 
 from diloco_serverless import __version__
-from diloco_serverless.config import tomllib
+from diloco_serverless.config import tomllib  # the stdlib module, or tomli on 3.10
+from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors._remote import run_replica_process
 from diloco_serverless.executors.base import (
-    ExecutorError,
     ExecutorUnavailable,
     ReplicaHandle,
     ReplicaResult,
@@ -271,12 +271,13 @@ class ModalExecutor:
             raise ExecutorUnavailable(f"modal executor: local_source must be true, false or auto, got {local_source!r}")
         self.image, self.secrets, self.timeout_s, self.retries = image, list(secrets), int(timeout_s), retries
         self.app_name, self.deployed_app, self.environment_name = app_name, deployed_app, environment_name
-        self._image_options = {"extras": tuple(extras), "package": package, "local_source": local_source,
-                               "python_version": python_version}
+        self._image_options: dict[str, Any] = {
+            "extras": tuple(extras), "package": package, "local_source": local_source, "python_version": python_version,
+        }
         self.poll_interval_s = poll_interval_s
 
     @classmethod
-    def from_handle(cls, handle: ReplicaHandle, **options: Any) -> "ModalExecutor":
+    def from_handle(cls, handle: ReplicaHandle, **options: Any) -> ModalExecutor:
         """An executor able to poll/cancel/read ``handle`` (credentials from the environment)."""
         options.setdefault("gpu", handle.data.get("gpu"))
         return cls(**options)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from diloco_serverless.errors import LaunchError, one_line
 from diloco_serverless.executors.base import (
+    ExecutorFactory,
     ReplicaHandle,
     ServerlessExecutor,
     handle_from_json,
@@ -49,7 +50,7 @@ _GPU_OPTION = {"modal": "gpu", "hf-jobs": "flavor"}
 _BUILD_ERRORS = (ImportError, ValueError, RuntimeError, TypeError, OSError, KeyError)
 
 
-def build_executor(kind: str, gpu: str | None, options: dict[str, Any]) -> Any:
+def build_executor(kind: str, gpu: str | None, options: dict[str, Any]) -> ServerlessExecutor:
     """``executors.get_executor(kind, gpu=/flavor=..., **options)``; LaunchError on any failure."""
     if kind in _GPU_OPTION and gpu is not None:
         options.setdefault(_GPU_OPTION[kind], gpu)
@@ -64,13 +65,13 @@ def build_executor(kind: str, gpu: str | None, options: dict[str, Any]) -> Any:
         raise LaunchError(one_line(str(e)) or f"cannot build the {kind} executor ({type(e).__name__})") from None
 
 
-def executor_options(cls: type) -> list[str]:
+def executor_options(cls: ExecutorFactory) -> list[str]:
     """Keyword options an executor class accepts (its ``__init__`` parameters)."""
-    params = inspect.signature(cls.__init__).parameters.values()
+    params = inspect.signature(cls).parameters.values()
     return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def executor_from_launch(launch: Mapping[str, Any]) -> tuple[Any | None, str | None]:
+def executor_from_launch(launch: Mapping[str, Any]) -> tuple[ServerlessExecutor | None, str | None]:
     """Rebuild the executor recorded in run.json: (executor, None) or (None, why not).
 
     With handles, ``executors.executor_for_handle`` reuses backend settings stored in the first
@@ -89,7 +90,7 @@ def executor_from_launch(launch: Mapping[str, Any]) -> tuple[Any | None, str | N
         return None, str(e)
 
 
-def executor_kind(executor: Any, default: str) -> str:
+def executor_kind(executor: object, default: str) -> str:
     """The executor's kind string ("local", "modal", "hf-jobs"), from ``.kind`` or its class name."""
     kind = getattr(executor, "kind", None)
     if isinstance(kind, str) and kind:
@@ -101,14 +102,14 @@ def executor_kind(executor: Any, default: str) -> str:
     return default
 
 
-def executor_class(kind: str) -> type:
+def executor_class(kind: str) -> ExecutorFactory:
     """The executor class for ``kind``; ValueError listing the known kinds otherwise."""
     target = EXECUTOR_KINDS.get(kind.strip().lower().replace("_", "-"))
     if target is None:
         known = ", ".join(sorted(EXECUTOR_KINDS))
         raise ValueError(f"unknown executor {kind!r}: choose one of {known}")
     module_name, cls_name = target.split(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+    return cast(ExecutorFactory, getattr(importlib.import_module(module_name), cls_name))
 
 
 def get_executor(kind: str, **options: Any) -> ServerlessExecutor:

@@ -30,6 +30,7 @@ from typing import Any
 
 from diloco_serverless.config import RunConfig
 from diloco_serverless.errors import DilocoError, LaunchError, one_line
+from diloco_serverless.executors.base import ServerlessExecutor
 from diloco_serverless.executors.registry import executor_from_launch, executor_kind
 from diloco_serverless.launcher import pricing
 from diloco_serverless.launcher.plot import curves, plot_losses
@@ -86,7 +87,7 @@ class Run:
     Build it with :func:`launch` or :meth:`Run.attach`; both are cheap to repeat.
     """
 
-    def __init__(self, store: ObjectStore, record: RunRecord, executor: Any | None = None,
+    def __init__(self, store: ObjectStore, record: RunRecord, executor: ServerlessExecutor | None = None,
                  executor_error: str | None = None) -> None:
         self._store = store
         self.record = record
@@ -125,7 +126,7 @@ class Run:
         return f"Run({self.url!r})"
 
     @classmethod
-    def attach(cls, url: str, *, executor: Any | None = None,
+    def attach(cls, url: str, *, executor: ServerlessExecutor | None = None,
                storage_options: dict[str, Any] | None = None) -> Run:
         """Open an existing run. Raises ``RunNotFound`` (a FileNotFoundError) if there is none.
 
@@ -220,7 +221,7 @@ class Run:
         if self._executor is not None and handle is not None:
             try:
                 text = executor_logs(self._executor, handle, tail)
-            except Exception as e:  # noqa: BLE001 - fall back to the copy in the store
+            except Exception as e:
                 why = f"the {self.executor_kind} executor could not read it: {one_line(str(e)) or type(e).__name__}"
         if text is None:
             key = log_key(rank)
@@ -317,7 +318,7 @@ def _over_budget(status: RunStatus, usd_per_hour: float, horizon_s: float, max_u
     return pricing.would_exceed(status.est_usd or 0.0, usd_per_hour, live, horizon_s * 2, max_usd)
 
 
-def _price_of(kind: str | None, gpu: str | None, executor: Any | None) -> float | None:
+def _price_of(kind: str | None, gpu: str | None, executor: ServerlessExecutor | None) -> float | None:
     """USD per replica-hour: the executor's own ``usd_per_replica_hour`` or the price table's."""
     own = getattr(executor, "usd_per_replica_hour", None)
     if isinstance(own, (int, float)):
@@ -333,7 +334,7 @@ def _launched_at(record: RunRecord) -> float | None:
         return None
 
 
-def launch(config: RunConfig | str | Path | None = None, executor: Any = "local", *,
+def launch(config: RunConfig | str | Path | None = None, executor: ServerlessExecutor | str = "local", *,
            overrides: Sequence[str] = (), replicas: int | None = None, store: str | None = None,
            run_id: str | None = None, gpu: str | None = None,
            store_from_terraform: str | Path | None = None,

@@ -10,13 +10,14 @@ value and the fix; nothing has been created when it is raised (the probe object 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from diloco_serverless.config import RunConfig, tomllib
 from diloco_serverless.errors import ConfigError, LaunchError, StoreError, one_line
-from diloco_serverless.executors.base import ExecutorUnavailable
+from diloco_serverless.executors.base import ExecutorUnavailable, ServerlessExecutor
 from diloco_serverless.executors.modal import normalize_gpu
 from diloco_serverless.executors.registry import (
     EXECUTOR_KINDS,
@@ -36,7 +37,7 @@ class LaunchPlan:
     """What preflight established: the store root, the executor (built), its kind and GPU."""
 
     root: ObjectStore
-    executor: Any
+    executor: ServerlessExecutor
     kind: str
     gpu: str | None
 
@@ -162,7 +163,7 @@ def check_run_free(root: ObjectStore, run_id: str) -> None:
                           "for a fresh one")
 
 
-def check_launch(cfg: RunConfig, executor: Any, *, gpu: str | None = None,
+def check_launch(cfg: RunConfig, executor: ServerlessExecutor | str, *, gpu: str | None = None,
                  executor_options: dict[str, Any] | None = None,
                  storage_options: dict[str, Any] | None = None) -> LaunchPlan:
     """Run every check; build the executor; return the plan. LaunchError on the first problem."""

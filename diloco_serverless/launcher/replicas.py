@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diloco_serverless.errors import one_line
-from diloco_serverless.executors.base import handle_from_json
+from diloco_serverless.executors.base import ServerlessExecutor, handle_from_json
 from diloco_serverless.executors.registry import executor_kind
 from diloco_serverless.launcher.status import UNKNOWN, ExecutorState
 
@@ -42,7 +42,7 @@ def handle_rank(handle: Mapping[str, Any]) -> int:
     return int(handle["rank"])
 
 
-def to_handle(executor: Any, handle: Mapping[str, Any]) -> Any:
+def to_handle(executor: ServerlessExecutor, handle: Mapping[str, Any]) -> Any:
     """The handle object an executor's methods take: a ReplicaHandle for our executors, else the dict."""
     if type(executor).__module__.startswith("diloco_serverless.executors"):
 
@@ -50,11 +50,11 @@ def to_handle(executor: Any, handle: Mapping[str, Any]) -> Any:
     return dict(handle)
 
 
-def executor_logs(executor: Any, handle: Mapping[str, Any], tail: int | None) -> str | None:
+def executor_logs(executor: ServerlessExecutor, handle: Mapping[str, Any], tail: int | None) -> str | None:
     return executor.logs(to_handle(executor, handle), tail=tail)
 
 
-def executor_cancel(executor: Any, handles: Sequence[Mapping[str, Any]]) -> None:
+def executor_cancel(executor: ServerlessExecutor, handles: Sequence[Mapping[str, Any]]) -> None:
     executor.cancel([to_handle(executor, h) for h in handles])
 
 
@@ -63,7 +63,7 @@ def launch_args(run_url: str) -> list[str]:
     return ["--run-url", run_url]
 
 
-def replica_env(executor: Any, n_replicas: int, run_url: str) -> dict[str, str]:
+def replica_env(executor: ServerlessExecutor, n_replicas: int, run_url: str) -> dict[str, str]:
     """Environment added to every replica: the run URL and, for local processes, a fair share of
     the CPU cores per replica (``OMP_NUM_THREADS``) so N torch processes do not oversubscribe the
     machine; a value the user exported wins."""
@@ -74,7 +74,7 @@ def replica_env(executor: Any, n_replicas: int, run_url: str) -> dict[str, str]:
     return env
 
 
-def launch_replicas(executor: Any, n_replicas: int, run_url: str) -> list[dict[str, Any]]:
+def launch_replicas(executor: ServerlessExecutor, n_replicas: int, run_url: str) -> list[dict[str, Any]]:
     """Start ``n_replicas`` of the replica entrypoint for ``run_url``; return their handle dicts."""
     handles = executor.launch_replicas(
         n_replicas, REPLICA_ENTRYPOINT, launch_args(run_url), env=replica_env(executor, n_replicas, run_url),
@@ -105,13 +105,13 @@ def normalize_state(state: Any) -> ExecutorState:
     return ExecutorState(state=_state_name(raw), reason=None if reason is None else str(reason))
 
 
-def poll_states(executor: Any | None, handles: Sequence[Mapping[str, Any]]) -> dict[int, ExecutorState]:
+def poll_states(executor: ServerlessExecutor | None, handles: Sequence[Mapping[str, Any]]) -> dict[int, ExecutorState]:
     """Rank -> ExecutorState from ``executor.poll``; {} if there is no executor or polling fails."""
     if executor is None or not handles:
         return {}
     try:
         states = list(executor.poll([to_handle(executor, h) for h in handles]))
-    except Exception as e:  # noqa: BLE001 - status must degrade to heartbeats, never crash
+    except Exception as e:
         return {handle_rank(h): ExecutorState(UNKNOWN, f"poll failed: {one_line(str(e))[:120]}")
                 for h in handles}
     out: dict[int, ExecutorState] = {}

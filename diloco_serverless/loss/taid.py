@@ -76,7 +76,8 @@ class TAIDScheduler:
             raise ValueError(f"TAIDScheduler needs num_train_steps >= 1 (an integer), got {num_train_steps!r}")
         if not 0.0 <= t_start < 1.0 or not 0.0 < t_end <= 1.0 or t_start > t_end:
             raise ValueError(
-                f"TAIDScheduler needs 0 <= t_start <= t_end <= 1 and t_start < 1, got t_start={t_start!r}, t_end={t_end!r}"
+                "TAIDScheduler needs 0 <= t_start <= t_end <= 1 and t_start < 1, "
+                f"got t_start={t_start!r}, t_end={t_end!r}"
             )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"TAIDScheduler alpha (step size of t) must lie in [0, 1], got {alpha!r}")

@@ -1,9 +1,11 @@
-"""The run's layout in the store: every key a run writes, built in one place (DESIGN.md, "A run in the store").
+"""The run's layout in the store: every key a run writes, built in one place.
+
+See docs/architecture.md, "A run in the store".
 
 Keys are relative to the run (``<store_url>/<run_id>``). Rounds are 0-based and zero-padded to 8
 digits, shards to 4, so listings sort in order. Every builder refuses a negative or oversized index
-with a ``ValueError`` naming it. ``run.py`` (run.json, heartbeats, metrics) and the exchange
-(``exchange_io.py``) both build their keys here.
+with a ``ValueError`` naming it. :mod:`.record` (run.json), :mod:`.members` (heartbeats,
+metrics), the exchange and the checkpoints all build their keys here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A run's layout in the object store: run.json, heartbeats, metrics, and every key in between.
 
 The bucket is the only thing replicas and the CLI share, so a run *is* its folder
-``<store_url>/<run_id>`` (DESIGN.md, "A run in the store")::
+``<store_url>/<run_id>`` (docs/architecture.md, "A run in the store")::
 
     run.json                                 {"run_id", "created_at", "version", "config", "launch"}
     members/rank-<r>.json                    heartbeat (see :class:`Heartbeat`)

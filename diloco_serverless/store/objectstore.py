@@ -1,4 +1,4 @@
-"""ObjectStore: the one storage abstraction every replica shares (DESIGN.md, "A run in the store").
+"""ObjectStore: the one storage abstraction every replica shares (docs/architecture.md, "A run in the store").
 
 One URL in: ``file:///abs/path`` or a bare path (local), ``memory://name`` (in-process, tests),
 ``s3://bucket/prefix`` (s3fs), ``gs://bucket/prefix`` (gcsfs); other fsspec protocols work with
@@ -27,13 +27,15 @@ Credentials never come from code: standard environment variables (``AWS_*``,
 
 from __future__ import annotations
 
+import builtins
 import copy
 import json
 import os
 import shutil
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import sync
@@ -217,7 +219,7 @@ class ObjectStore:
             self._open_fs()
         return self._fs
 
-    def child(self, prefix: str) -> "ObjectStore":
+    def child(self, prefix: str) -> ObjectStore:
         """A store rooted at ``url/prefix`` sharing this one's file system, options and retry."""
         prefix = _check_key(prefix)
         other = object.__new__(ObjectStore)
@@ -226,7 +228,7 @@ class ObjectStore:
         other.url = _url_for(self.protocol, other._root)
         return other
 
-    def with_retry(self, retry: RetryPolicy) -> "ObjectStore":
+    def with_retry(self, retry: RetryPolicy) -> ObjectStore:
         """The same store with another retry/deadline policy (e.g. the exchange's timeout)."""
         other = object.__new__(ObjectStore)
         other.__dict__.update(self.__dict__)
@@ -411,7 +413,7 @@ class ObjectStore:
                 info = self._fs_call("info", path, timeout_s=remaining)
             except FileNotFoundError:
                 return False
-            return info.get("type") != "directory"
+            return bool(info.get("type") != "directory")
 
         return self._run("exists", key, attempt)
 
@@ -421,7 +423,7 @@ class ObjectStore:
         prefix = _check_key(prefix, allow_empty=True)
         path = self._path(prefix)
 
-        def attempt(remaining: float) -> list[str]:
+        def attempt(remaining: float) -> builtins.list[str]:
             if self.protocol == "file":
                 return _local_find(path)
             if hasattr(self.fs, "invalidate_cache"):
@@ -435,7 +437,7 @@ class ObjectStore:
         keys = (self._rel(p) for p in paths if not store_local.is_temp_name(p))
         return sorted(k for k in keys if k)
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         """The immediate child "folders" of ``prefix`` ('' = the store root), NOT recursive:
         one delimited listing (S3 ``CommonPrefixes``, GCS ``prefixes``) instead of every key
         below. Keys relative to the store root (``list_dirs("a")`` -> ``["a/b", ...]``),
@@ -447,7 +449,7 @@ class ObjectStore:
         prefix = _check_key(prefix, allow_empty=True)
         path = self._path(prefix)
 
-        def attempt(remaining: float) -> list[str]:
+        def attempt(remaining: float) -> builtins.list[str]:
             if self.protocol == "file":
                 return _local_dirs(path)
             if hasattr(self.fs, "invalidate_cache"):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from diloco_serverless.store.errors import (
     StoreUnavailable,
@@ -59,7 +60,7 @@ class RetryPolicy:
     def delay_s(self, retry: int) -> float:
         """Backoff before retry number ``retry`` (1-based), capped, with jitter."""
         delay = min(self.max_delay_s, self.base_delay_s * (2 ** (retry - 1)))
-        return delay * (1 - self.jitter * random.random())
+        return float(delay * (1 - self.jitter * random.random()))
 
 
 def call_with_retry(
@@ -83,7 +84,7 @@ def call_with_retry(
         made = n
         try:
             return attempt(remaining)
-        except Exception as exc:  # noqa: BLE001 - classified right below
+        except Exception as exc:
             if not is_transient(exc):
                 raise translate_error(exc, url=url, key=key, op=op) from exc
             last = exc

@@ -205,14 +205,16 @@ def load_checkpoint(store: ObjectStore, round_: int) -> tuple[dict[str, torch.Te
 def read_data_state(store: ObjectStore, round_: int, rank: int) -> dict[str, Any] | None:
     """Rank ``rank``'s data position saved with checkpoint ``round_`` (None if it did not write one)."""
     try:
-        return store.get_json(f"{checkpoint_prefix(round_)}/data/rank-{rank}.json")
+        state: dict[str, Any] = store.get_json(f"{checkpoint_prefix(round_)}/data/rank-{rank}.json")
+        return state
     except ObjectNotFound:
         return None
 
 
 def prune_checkpoints(store: ObjectStore, keep_from_round: int) -> None:
     """Delete complete or partial checkpoints older than ``keep_from_round``."""
-    rounds = {int(k.split("/")[1]) for k in store.list("checkpoints/") if k.count("/") >= 2 and k.split("/")[1].isdigit()}
+    keys = store.list("checkpoints/")
+    rounds = {int(k.split("/")[1]) for k in keys if k.count("/") >= 2 and k.split("/")[1].isdigit()}
     for r in sorted(x for x in rounds if x < keep_from_round):
         store.delete(f"checkpoints/{fmt_round(r)}", recursive=True)
 
@@ -227,8 +229,9 @@ def final_exists(store: ObjectStore) -> bool:
     return store.exists(FINAL_DONE)
 
 
-def write_final(store: ObjectStore, model: Any, tokenizer: Any, *, rank: int, attempt: int = 0,
-                stale_lock_s: float = 600.0) -> bool:
+def write_final(
+    store: ObjectStore, model: Any, tokenizer: Any, *, rank: int, attempt: int = 0, stale_lock_s: float = 600.0
+) -> bool:
     """Write the final model (``save_pretrained``, safetensors) + tokenizer under ``final/``, once per run.
 
     The writer is whoever creates ``final/LOCK.json`` first (create-only); it uploads the files,
@@ -272,13 +275,17 @@ def sync_initial_parameters(store: ObjectStore, model: torch.nn.Module) -> bool:
     where = f"{store.url}/{INITIAL_KEY}"
     if sorted(stored) != sorted(named):
         extra, missing = sorted(set(stored) - set(named))[:3], sorted(set(named) - set(stored))[:3]
-        raise CheckpointMismatch(f"{where} holds other parameters than the model (only stored: {extra}, only in "
-                                 f"model: {missing}); use the run's model config")
+        raise CheckpointMismatch(
+            f"{where} holds other parameters than the model (only stored: {extra}, only in "
+            f"model: {missing}); use the run's model config"
+        )
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in stored.items():
             if tuple(tensor.shape) != tuple(params[name].shape):
-                raise CheckpointMismatch(f"parameter {name!r}: {where} has shape {tuple(tensor.shape)}, the model has "
-                                         f"{tuple(params[name].shape)}; use the run's model config")
+                raise CheckpointMismatch(
+                    f"parameter {name!r}: {where} has shape {tuple(tensor.shape)}, the model has "
+                    f"{tuple(params[name].shape)}; use the run's model config"
+                )
             params[name].copy_(tensor)
     return wrote

@@ -97,11 +97,13 @@ def build_diloco(manager: ManagerBase, model: nn.Module, inner_optimizer: torch.
     if manager.fragments != fragments:
         raise ValueError(f"manager was built for {manager.fragments} fragments, DiLoCo for {fragments}; pass the same")
     parts = split_fragments(model, fragments)
-    outer = [torch.optim.SGD(p.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=nesterov) for p in parts]
+    outer: list[torch.optim.Optimizer] = [
+        torch.optim.SGD(p.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=nesterov) for p in parts
+    ]
     if bucket_cap_mb is None:
         bucket_cap_mb = max(_fragment_bytes(p) for p in parts) / 2**20 + 1.0
     diloco = DiLoCo(manager, list(parts), inner_optimizer, outer, sync_every=sync_every,
-                    pin_memory=False, use_bucketization=True, bucket_cap_mb=bucket_cap_mb,  # type: ignore[arg-type]
+                    pin_memory=False, use_bucketization=True, bucket_cap_mb=bucket_cap_mb,
                     fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=0.0)
     return DiLoCoReplica(manager, model, diloco, parts, outer)
 
@@ -119,17 +121,17 @@ class DiLoCoReplica:
         return self
 
     def __exit__(self, *exc: Any) -> bool:
-        return self.diloco.__exit__(*exc)
+        return bool(self.diloco.__exit__(*exc))
 
     @property
     def at_boundary(self) -> bool:
         """True between fragment syncs (no exchange prepared, no partial sync cycle)."""
-        return self.diloco._local_step == 0  # noqa: SLF001 - pinned torchft
+        return bool(self.diloco._local_step == 0)
 
     @property
     def inner_steps_per_round(self) -> int:
         """Inner steps between two exchange rounds (H / fragments)."""
-        return int(self.diloco._sync_every)  # noqa: SLF001
+        return int(self.diloco._sync_every)
 
     def current_fragment(self) -> int:
         return self.manager.current_step() % len(self.fragments)
@@ -150,13 +152,13 @@ class DiLoCoReplica:
         """
         if not self.at_boundary:
             raise RuntimeError(f"rank {self.manager.rank}: replay only between syncs (local step "
-                               f"{self.diloco._local_step})")  # noqa: SLF001
+                               f"{self.diloco._local_step})")
         frag = self.current_fragment()
         if self.manager.read_reduced(self.manager.current_step(), self.flat_like(frag)) is None:
             return False
         with self.manager.replaying():
             self.manager.start_quorum()
-            fragment = self.diloco._fragments[frag]  # noqa: SLF001
+            fragment = self.diloco._fragments[frag]
             fragment.prepare_sync()
             return bool(fragment.perform_sync())
 
@@ -174,13 +176,13 @@ class DiLoCoReplica:
 
     def reset_to_global(self) -> None:
         """Set every fragment's parameters to its global parameters (drops local progress)."""
-        for fragment in self.diloco._fragments:  # noqa: SLF001
+        for fragment in self.diloco._fragments:
             fragment.restore_parameters()
 
     def global_named_parameters(self) -> dict[str, torch.Tensor]:
         """The global parameters by model parameter name (CPU copies)."""
         out: dict[str, torch.Tensor] = {}
-        for part, fragment in zip(self.fragments, self.diloco._fragments):  # noqa: SLF001
+        for part, fragment in zip(self.fragments, self.diloco._fragments):
             for local, tensor in fragment.original_parameters.items():
                 out[part.names[local]] = tensor.detach().clone()
         return out

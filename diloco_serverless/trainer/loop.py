@@ -102,8 +102,10 @@ class ReplicaTrainer:
                  storage_options: dict[str, Any] | None = None, device: str | None = None,
                  exchange_options: dict[str, Any] | None = None) -> None:
         if not 0 <= rank < cfg.replicas:
-            raise ValueError(f"rank {rank} is outside run {cfg.run_id} ({cfg.replicas} replicas: ranks 0..{cfg.replicas - 1}); "
-                             "set REPLICA_RANK to one of them")
+            raise ValueError(
+                f"rank {rank} is outside run {cfg.run_id} ({cfg.replicas} replicas: ranks 0..{cfg.replicas - 1}); "
+                "set REPLICA_RANK to one of them"
+            )
         self.cfg, self.store, self.rank, self.attempt = cfg, run_store, rank, attempt
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.fragments = cfg.exchange.fragments
@@ -111,17 +113,26 @@ class ReplicaTrainer:
         torch.manual_seed(cfg.seed + 1000 * rank)
         model, self.tokenizer = build_model(cfg.model, cfg.seed)
         ckpt.sync_initial_parameters(run_store, model)  # identical start on every replica, bit for bit
-        self.model = model.to(self.device)
+        self.model = model.to(self.device)  # type: ignore[arg-type]  # transformers wraps .to(); its stub takes the model
         ref = make_reference_model(self.model) if cfg.loss.needs_reference else None
-        self.data = BatchBuilder.from_config(cfg, self.tokenizer, rank=rank, ref_model=ref, device=self.device,
-                                             storage_options=storage_options)
+        self.data = BatchBuilder.from_config(
+            cfg, self.tokenizer, rank=rank, ref_model=ref, device=self.device, storage_options=storage_options
+        )
         self.manager = self._build_manager(storage_options, exchange_options or {})
-        self.inner = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas,
-                                       weight_decay=cfg.inner.weight_decay)
+        self.inner = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay
+        )
         self.rep: DiLoCoReplica = build_diloco(
-            self.manager, self.model, self.inner, sync_every=cfg.inner.sync_every, fragments=self.fragments,
-            fragment_sync_delay=cfg.exchange.fragment_sync_delay, outer_lr=cfg.outer.lr,
-            outer_momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov)
+            self.manager,
+            self.model,
+            self.inner,
+            sync_every=cfg.inner.sync_every,
+            fragments=self.fragments,
+            fragment_sync_delay=cfg.exchange.fragment_sync_delay,
+            outer_lr=cfg.outer.lr,
+            outer_momentum=cfg.outer.momentum,
+            nesterov=cfg.outer.nesterov,
+        )
         self.taid = self._build_taid()
         self.inner_steps = 0
         self.bytes_up = self.bytes_down = 0
@@ -130,12 +141,27 @@ class ReplicaTrainer:
         self.metrics: list[dict[str, Any]] = []
 
     @classmethod
-    def from_run(cls, run_url: str, rank: int, *, attempt: int = 0, storage_options: dict[str, Any] | None = None,
-                 device: str | None = None, exchange_options: dict[str, Any] | None = None) -> ReplicaTrainer:
+    def from_run(
+        cls,
+        run_url: str,
+        rank: int,
+        *,
+        attempt: int = 0,
+        storage_options: dict[str, Any] | None = None,
+        device: str | None = None,
+        exchange_options: dict[str, Any] | None = None,
+    ) -> ReplicaTrainer:
         """Load ``run.json`` at ``run_url`` and build rank ``rank``'s trainer (no training yet)."""
         run_store, record = load_run(run_url, storage_options)
-        return cls(record.config, run_store, rank, attempt=attempt, storage_options=storage_options, device=device,
-                   exchange_options=exchange_options)
+        return cls(
+            record.config,
+            run_store,
+            rank,
+            attempt=attempt,
+            storage_options=storage_options,
+            device=device,
+            exchange_options=exchange_options,
+        )
 
     def _build_manager(self, storage_options: dict[str, Any] | None, extra: dict[str, Any]) -> ObjectStoreManager:
         ex = self.cfg.exchange
@@ -144,16 +170,32 @@ class ReplicaTrainer:
             opts.setdefault("poll_interval_s", ex.poll_interval_s)
         store_url, run_id = self.store.url.rsplit("/", 1)
         return ObjectStoreManager(
-            store_url, self.rank, self.cfg.replicas, run_id=run_id, min_replicas=self.cfg.effective_min_replicas,
-            fragments=self.fragments, codec=ex.codec, error_feedback=ex.error_feedback, timeout_s=ex.round_timeout_s,
-            straggler_timeout_s=ex.straggler_timeout_s, storage_options=storage_options, **opts)
+            store_url,
+            self.rank,
+            self.cfg.replicas,
+            run_id=run_id,
+            min_replicas=self.cfg.effective_min_replicas,
+            fragments=self.fragments,
+            codec=ex.codec,
+            error_feedback=ex.error_feedback,
+            timeout_s=ex.round_timeout_s,
+            straggler_timeout_s=ex.straggler_timeout_s,
+            storage_options=storage_options,
+            **opts,
+        )
 
     def _build_taid(self) -> TAIDScheduler | None:
         loss = self.cfg.loss
         if loss.sdpo_wrapper != "taid" or loss.alpha_sdpo == 0:
             return None
-        return TAIDScheduler(self.total_rounds * self.rep.inner_steps_per_round, loss.taid_t_start, loss.taid_t_end,
-                             loss.taid_alpha, loss.taid_beta, loss.taid_disable_adaptive)
+        return TAIDScheduler(
+            self.total_rounds * self.rep.inner_steps_per_round,
+            loss.taid_t_start,
+            loss.taid_t_end,
+            loss.taid_alpha,
+            loss.taid_beta,
+            loss.taid_disable_adaptive,
+        )
 
     # ------------------------------------------------------------------ healing
     def heal(self) -> int:
@@ -176,7 +218,9 @@ class ReplicaTrainer:
             per_round = self.rep.inner_steps_per_round
             self.inner_steps = self.manager.current_step() * per_round
             implied = self.inner_steps * self.cfg.data.batch_size
-            self.data.position = implied if position is None else position + replayed * per_round * self.cfg.data.batch_size
+            self.data.position = (
+                implied if position is None else position + replayed * per_round * self.cfg.data.batch_size
+            )
         return gained
 
     def check_checkpoint_compatible(self) -> None:
@@ -236,10 +280,12 @@ class ReplicaTrainer:
         kwargs = cfg.loss.compose_kwargs(taid_t=self.taid.t if self.taid else None)
         comps = compose_loss(self.model, batch, **kwargs)
         if not torch.isfinite(comps.total):
-            raise FloatingPointError(f"rank {self.rank}: loss is {float(comps.total)} at inner step {self.inner_steps}; "
-                                     "lower inner.lr or raise inner.warmup_steps")
+            raise FloatingPointError(
+                f"rank {self.rank}: loss is {float(comps.total)} at inner step {self.inner_steps}; "
+                "lower inner.lr or raise inner.warmup_steps"
+            )
         self.inner.zero_grad(set_to_none=True)
-        comps.total.backward()
+        comps.total.backward()  # type: ignore[no-untyped-call]  # untyped in torch
         if cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.inner.grad_clip)
         self.inner.step()  # torchft's DiLoCo hooks may prepare/perform a fragment sync here
@@ -273,18 +319,41 @@ class ReplicaTrainer:
         last = self.manager.current_step() >= self.total_rounds
         return last or (every > 0 and outer_round % every == 0)
 
-    def _round_metrics(self, round_: int, seg: _Segment, record: ExchangeRecord | None, committed: bool,
-                       wall: float, blocked: float, eval_loss: float | None) -> dict[str, Any]:
+    def _round_metrics(
+        self,
+        round_: int,
+        seg: _Segment,
+        record: ExchangeRecord | None,
+        committed: bool,
+        wall: float,
+        blocked: float,
+        eval_loss: float | None,
+    ) -> dict[str, Any]:
         inner_s = max(0.0, wall - blocked)
         out: dict[str, Any] = {
-            "attempt": self.attempt, "fragment": round_ % self.fragments, "outer_round": round_ // self.fragments,
-            "committed": committed, "inner_steps": seg.steps, "inner_step_total": self.inner_steps,
-            **seg.means(), "tokens": seg.tokens, "tokens_per_s": seg.tokens / inner_s if inner_s > 0 else 0.0,
-            "wall_s": wall, "inner_s": inner_s, "wait_s": blocked, "lr": self.inner.param_groups[0]["lr"],
+            "attempt": self.attempt,
+            "fragment": round_ % self.fragments,
+            "outer_round": round_ // self.fragments,
+            "committed": committed,
+            "inner_steps": seg.steps,
+            "inner_step_total": self.inner_steps,
+            **seg.means(),
+            "tokens": seg.tokens,
+            "tokens_per_s": seg.tokens / inner_s if inner_s > 0 else 0.0,
+            "wall_s": wall,
+            "inner_s": inner_s,
+            "wait_s": blocked,
+            "lr": self.inner.param_groups[0]["lr"],
         }
         if record is not None:
-            out.update(exchange_s=record.exchange_s, bytes_up=record.bytes_up, bytes_down=record.bytes_down,
-                       participants=record.participants, late=record.late, error=record.error)
+            out.update(
+                exchange_s=record.exchange_s,
+                bytes_up=record.bytes_up,
+                bytes_down=record.bytes_down,
+                participants=record.participants,
+                late=record.late,
+                error=record.error,
+            )
         if eval_loss is not None:
             out["eval_loss"] = eval_loss
         return out
@@ -311,15 +380,23 @@ class ReplicaTrainer:
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
         round_ = self.manager.current_step() - 1
         tensors, meta = self.rep.state_tensors()
-        ckpt.save_checkpoint(self.store, round_, self.manager.current_step(), tensors, meta, rank=self.rank,
-                             world_size=self.cfg.replicas, data_state=self.data.state_dict(),
-                             takeover_s=min(60.0, self.cfg.exchange.straggler_timeout_s))
+        ckpt.save_checkpoint(
+            self.store,
+            round_,
+            self.manager.current_step(),
+            tensors,
+            meta,
+            rank=self.rank,
+            world_size=self.cfg.replicas,
+            data_state=self.data.state_dict(),
+            takeover_s=min(60.0, self.cfg.exchange.straggler_timeout_s),
+        )
         participants = record.participants if record and record.participants else [0]
         if self.rank == min(participants):
             keep = self.cfg.exchange.keep_rounds
             if keep is not None:
                 self.manager.prune(min(round_ + 1, self.manager.current_step() - keep))
-            older = [r for r in ckpt._complete_rounds(self.store) if r < round_]  # noqa: SLF001
+            older = [r for r in ckpt._complete_rounds(self.store) if r < round_]
             if older:
                 ckpt.prune_checkpoints(self.store, older[-1])
 
@@ -330,16 +407,25 @@ class ReplicaTrainer:
         written = write_final(self.store, self.model, self.tokenizer, rank=self.rank, attempt=self.attempt)
         self._heartbeat(HEARTBEAT_DONE)
         self.manager.shutdown()
-        return TrainResult(self.rank, self.manager.current_step(), self.trained, self.replayed, written,
-                           eval_loss, self.metrics)
+        return TrainResult(
+            self.rank, self.manager.current_step(), self.trained, self.replayed, written, eval_loss, self.metrics
+        )
 
     def _heartbeat(self, state: str, *, loss: float | None = None, message: str | None = None) -> None:
         if loss is not None and not math.isfinite(loss):
             loss = None
-        hb = Heartbeat(rank=self.rank, round=self.manager.current_step(), step=self.inner_steps, loss=loss,
-                       attempt=self.attempt, state=state, bytes_up=self.bytes_up, bytes_down=self.bytes_down,
-                       message=message)
+        hb = Heartbeat(
+            rank=self.rank,
+            round=self.manager.current_step(),
+            step=self.inner_steps,
+            loss=loss,
+            attempt=self.attempt,
+            state=state,
+            bytes_up=self.bytes_up,
+            bytes_down=self.bytes_down,
+            message=message,
+        )
         try:
             write_heartbeat(self.store, hb)
-        except Exception as exc:  # noqa: BLE001 - a heartbeat must never kill training
+        except Exception as exc:
             logger.warning("rank %d: heartbeat failed: %s", self.rank, exc)

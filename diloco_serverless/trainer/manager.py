@@ -23,6 +23,7 @@ lighthouse and a process group:
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import threading
@@ -74,13 +75,13 @@ class _TrackingFuture(torch.futures.Future):  # type: ignore[type-arg]
         super().__init__()
         self.children: list[torch.futures.Future[Any]] = []
 
-    def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future[Any]:  # type: ignore[override]
+    def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future[Any]:
         child = super().then(callback)
         self.children.append(child)
         return child
 
 
-class ExchangeWork(dist._Work):
+class ExchangeWork(dist._Work):  # type: ignore[name-defined,misc]  # torch ships no stub for _Work
     """torchft-style ``Work`` for one background exchange.
 
     ``wait()`` blocks until the reduced buffer is in place (and callbacks chained on
@@ -102,7 +103,7 @@ class ExchangeWork(dist._Work):
             fut = pending.pop(0)
             try:
                 fut.wait()
-            except Exception:  # noqa: BLE001 - already reported by the exchange thread
+            except Exception:
                 logger.debug("exchange future completed with an error", exc_info=True)
             pending.extend(getattr(fut, "children", []))
         if self._device is not None and self._device.type == "cuda":
@@ -119,7 +120,7 @@ class ExchangeWork(dist._Work):
         return bool(self._future.done())
 
 
-class ManagerBase:
+class ManagerBase(abc.ABC):
     """torchft ``Manager`` surface shared by the object-store and mock managers.
 
     Subclasses implement :meth:`_exchange` (one round, blocking, called on the exchange thread) and
@@ -159,12 +160,22 @@ class ManagerBase:
         self._warned_quantize = False
 
     # -- subclass hooks -------------------------------------------------------------------------
+    @abc.abstractmethod
     def _exchange(self, tensor: torch.Tensor, round_: int, residual_key: str,
                   record: ExchangeRecord) -> torch.Tensor:
-        raise NotImplementedError
+        """Average ``tensor`` for ``round_`` (blocking, on the exchange thread) and fill ``record``."""
 
+    @abc.abstractmethod
     def _read_round(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
-        raise NotImplementedError
+        """The stored result of ``round_`` shaped like ``like``, or ``None`` if it is not there."""
+
+    @abc.abstractmethod
+    def prune(self, before_round: int) -> None:
+        """Forget rounds older than ``before_round`` (after a complete checkpoint)."""
+
+    def read_reduced(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The stored reduced result of ``round_`` or ``None`` (not finished, pruned or absent)."""
+        return self._read_round(round_, like)
 
     # -- torchft Manager API --------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
@@ -187,7 +198,8 @@ class ManagerBase:
             raise RuntimeError(
                 f"{type(self).__name__} rank {self.rank}: second allreduce in round {self._step} "
                 f"({tensor.numel()} elements). One round exchanges ONE flat buffer per fragment; build DiLoCo "
-                "with diloco_serverless.trainer.diloco.build_diloco (bucketization with a bucket as large as the fragment)."
+                "with diloco_serverless.trainer.diloco.build_diloco "
+                "(bucketization with a bucket as large as the fragment)."
             )
         self._calls_this_quorum += 1
         if should_quantize and not self._warned_quantize:
@@ -199,8 +211,15 @@ class ManagerBase:
         self._inflight = self._executor.submit(self._run, tensor, host, record, future, reduce_op, self._replay)
         return ExchangeWork(future, record, tensor.device)
 
-    def _run(self, tensor: torch.Tensor, host: torch.Tensor, record: ExchangeRecord,
-             future: _TrackingFuture, reduce_op: ReduceOp.RedOpType, replay: bool) -> None:
+    def _run(
+        self,
+        tensor: torch.Tensor,
+        host: torch.Tensor,
+        record: ExchangeRecord,
+        future: _TrackingFuture,
+        reduce_op: ReduceOp.RedOpType,
+        replay: bool,
+    ) -> None:
         start = time.monotonic()
         try:
             if replay:
@@ -216,7 +235,7 @@ class ManagerBase:
             with torch.no_grad():
                 tensor.copy_(result)
             self._participants, self._late = list(record.participants), record.late
-        except Exception as exc:  # noqa: BLE001 - torchft semantics: report, zero, do not raise
+        except Exception as exc:
             logger.warning("rank %d: exchange of round %d failed: %s", self.rank, record.round, exc)
             record.error = f"{type(exc).__name__}: {exc}"
             self.report_error(exc)
@@ -226,8 +245,9 @@ class ManagerBase:
             record.exchange_s = time.monotonic() - start
             future.set_result(tensor)
 
-    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False,
-                     timeout: timedelta | None = None) -> None:
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
+    ) -> None:
         """Ready the manager for a new round: wait for any in-flight exchange, clear the error.
 
         The quorum itself is formed inside the round (``quorum.json`` in the store), not here.
@@ -238,6 +258,7 @@ class ManagerBase:
 
     def wait_quorum(self) -> None:
         """No-op: the object-store quorum is decided inside each round."""
+        return None
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """True when this round's exchange succeeded with at least ``min_replicas`` participants.
@@ -254,11 +275,18 @@ class ManagerBase:
             self._commit_failures = 0
         else:
             self._commit_failures += 1
-            logger.warning("rank %d: round %d not committed (participants=%s, error=%s)",
-                           self.rank, self._step, self._participants, self._errored)
+            logger.warning(
+                "rank %d: round %d not committed (participants=%s, error=%s)",
+                self.rank,
+                self._step,
+                self._participants,
+                self._errored,
+            )
             if self._max_retries is not None and self._commit_failures > self._max_retries:
-                raise RuntimeError(f"rank {self.rank}: should_commit failed {self._commit_failures} times in a row "
-                                   f"(max_retries={self._max_retries}); last error: {self._errored}")
+                raise RuntimeError(
+                    f"rank {self.rank}: should_commit failed {self._commit_failures} times in a row "
+                    f"(max_retries={self._max_retries}); last error: {self._errored}"
+                )
         return ok
 
     def _wait_inflight(self) -> None:
@@ -296,8 +324,9 @@ class ManagerBase:
         self._step = int(state_dict["step"])
         self._batches_committed = int(state_dict["batches_committed"])
 
-    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[Any], None],
-                               state_dict: Callable[[], Any]) -> None:
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
         self._load_fns[key] = load_state_dict
         self._save_fns[key] = state_dict
 
@@ -355,26 +384,44 @@ class ObjectStoreManager(ManagerBase):
     Raises ``ValueError`` for a rank outside ``0..world_size-1`` or an invalid ``min_replicas``.
     """
 
-    def __init__(self, url: str, rank: int, world_size: int, *, run_id: str,
-                 min_replicas: int | None = None, fragments: int = 1, codec: str = "fp32",
-                 error_feedback: bool = False, timeout_s: float = ROUND_TIMEOUT_S,
-                 straggler_timeout_s: float = STRAGGLER_TIMEOUT_S, storage_options: dict[str, Any] | None = None,
-                 max_retries: int | None = None, allreduce: Any | None = None,
-                 **exchange_options: Any) -> None:
-        super().__init__(rank, world_size, min_replicas=min_replicas, fragments=fragments,
-                         max_retries=max_retries)
+    def __init__(
+        self,
+        url: str,
+        rank: int,
+        world_size: int,
+        *,
+        run_id: str,
+        min_replicas: int | None = None,
+        fragments: int = 1,
+        codec: str = "fp32",
+        error_feedback: bool = False,
+        timeout_s: float = ROUND_TIMEOUT_S,
+        straggler_timeout_s: float = STRAGGLER_TIMEOUT_S,
+        storage_options: dict[str, Any] | None = None,
+        max_retries: int | None = None,
+        allreduce: Any | None = None,
+        **exchange_options: Any,
+    ) -> None:
+        super().__init__(rank, world_size, min_replicas=min_replicas, fragments=fragments, max_retries=max_retries)
         if allreduce is None:
-
             exchange_options.setdefault("keep_rounds", None)
             allreduce = ObjectStoreAllReduce(
-                url, rank, world_size, run_id=run_id, timeout_s=timeout_s, min_replicas=min_replicas,
-                straggler_timeout_s=straggler_timeout_s, codec=codec, error_feedback=error_feedback,
-                storage_options=storage_options, **exchange_options)
+                url,
+                rank,
+                world_size,
+                run_id=run_id,
+                timeout_s=timeout_s,
+                min_replicas=min_replicas,
+                straggler_timeout_s=straggler_timeout_s,
+                codec=codec,
+                error_feedback=error_feedback,
+                storage_options=storage_options,
+                **exchange_options,
+            )
         self.exchange = allreduce
         self.url, self.run_id = url, run_id
 
-    def _exchange(self, tensor: torch.Tensor, round_: int, residual_key: str,
-                  record: ExchangeRecord) -> torch.Tensor:
+    def _exchange(self, tensor: torch.Tensor, round_: int, residual_key: str, record: ExchangeRecord) -> torch.Tensor:
         result = self.exchange.allreduce(tensor, round=round_, residual_key=residual_key)
         stats = getattr(self.exchange, "last_stats", None)
         if stats is not None:
@@ -388,10 +435,6 @@ class ObjectStoreManager(ManagerBase):
     def _read_round(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
         return self.exchange.read_reduced(round_, like)
 
-    def read_reduced(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
-        """The stored reduced result of ``round_`` or ``None`` (not finished, pruned or absent)."""
-        return self._read_round(round_, like)
-
     def prune(self, before_round: int) -> None:
         """Delete stored rounds older than ``before_round`` (after a complete checkpoint)."""
         self.exchange.prune(before_round)
@@ -401,5 +444,3 @@ class ObjectStoreManager(ManagerBase):
         close = getattr(self.exchange, "close", None)
         if close is not None:
             close()
-
-

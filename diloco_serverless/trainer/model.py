@@ -109,7 +109,7 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # untyped in transformers
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
@@ -145,7 +145,7 @@ def _build_tiny(seed: int, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-    return model.to(dtype), tokenizer
+    return model.to(dtype), tokenizer  # type: ignore[arg-type]  # transformers wraps .to(); its stub takes the model
 
 
 def _build_named(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -156,13 +156,14 @@ def _build_named(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel,
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(
             f"cannot load model {cfg.name!r} (revision {cfg.revision!r}): {str(exc).rstrip('.')}. "
-            "Check the name or local path, network access to the Hub (HF_TOKEN for gated models), or use model.name=\"tiny\""
+            "Check the name or local path, network access to the Hub (HF_TOKEN for gated models), "
+            'or use model.name="tiny"'
         ) from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelLoadError(f"tokenizer of {cfg.name!r} has neither a pad nor an EOS token; cannot pad batches")
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(dtype), tokenizer
+    return model.to(dtype), tokenizer  # type: ignore[arg-type]  # transformers wraps .to(); its stub takes the model
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -206,7 +207,7 @@ def download_pretrained(store: Any, prefix: str, local_dir: str | os.PathLike[st
         raise FileNotFoundError(f"no model under {store.url}/{prefix}; has the run finished?")
     out = Path(local_dir)
     for key, data in store.get_many(keys).items():
-        target = out / key[len(prefix):]
+        target = out / key[len(prefix) :]
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     return out

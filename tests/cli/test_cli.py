@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from support import FIXTURES
-from support.fake_executor import FakeExecutor
 from typer.testing import CliRunner
 
 from diloco_serverless.cli.app import app
 from diloco_serverless.executors import registry
 from diloco_serverless.launcher import api, preflight
+from support import FIXTURES
+from support.fake_executor import FakeExecutor
 
 runner = CliRunner()
 

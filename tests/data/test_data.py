@@ -151,7 +151,9 @@ def test_stdlib_batch_has_all_three_channels(tiny: tuple[Any, Any]) -> None:
     for side in ("chosen", "rejected"):
         p = f"dpo_{side}_"
         with torch.no_grad():
-            expected = sequence_logprobs(ref, batch[p + "input_ids"], batch[p + "attention_mask"], batch[p + "response_mask"])
+            expected = sequence_logprobs(
+                ref, batch[p + "input_ids"], batch[p + "attention_mask"], batch[p + "response_mask"]
+            )
         torch.testing.assert_close(batch[p + "ref_logprobs"], expected)
 
 
@@ -311,9 +313,12 @@ def test_stdlib_with_a_merging_tokenizer_groups_tokens_by_line(tmp_path: Path) -
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    ))
+    bpe.train_from_iterator(
+        [text],
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
     assert not _is_byte_tokenizer(tok)
     lines = text.splitlines(keepends=True)

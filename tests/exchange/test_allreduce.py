@@ -9,13 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from support.allreduce import (
-    FAST,
-    DiesAfterReady,
-    assert_identical,
-    randn,
-    run_replicas,
-)
 
 from diloco_serverless.exchange._io import shard_bounds
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
@@ -32,6 +25,13 @@ from diloco_serverless.exchange.errors import (
 )
 from diloco_serverless.run.layout import contrib_key, quorum_key, reduced_key
 from diloco_serverless.store.objectstore import ObjectStore
+from support.allreduce import (
+    FAST,
+    DiesAfterReady,
+    assert_identical,
+    randn,
+    run_replicas,
+)
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -83,7 +83,9 @@ def test_bytes_per_replica_near_lower_bound(url: str) -> None:
         assert 2 * p * (world - 1) / world <= s.bytes_down <= 2 * p * (world - 1) / world * 1.01
     _, _, s8 = run_replicas(url.replace("exchange-", "exchange8-") if url.startswith("memory") else url + "8",
                             xs, world, codec="int8")
-    assert sum(s.bytes_up + s.bytes_down for s in s8.values()) <= 0.27 * sum(s.bytes_up + s.bytes_down for s in stats.values())
+    assert sum(s.bytes_up + s.bytes_down for s in s8.values()) <= 0.27 * sum(
+        s.bytes_up + s.bytes_down for s in stats.values()
+    )
 
 
 def test_world_size_one_touches_no_store(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,10 +105,15 @@ def test_world_size_one_touches_no_store(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [(dict(rank=4, world_size=4), "0 <= rank < world_size=4"), (dict(rank=-1, world_size=2), "rank=-1"),
-     (dict(rank=0, world_size=0), "world_size must be >= 1"), (dict(rank=0, world_size=2, min_replicas=3), "min_replicas"),
-     (dict(rank=0, world_size=2, codec="fp4"), "fp4"), (dict(rank=0, world_size=2, timeout_s=0), "timeout_s"),
-     (dict(rank=0, world_size=2, keep_rounds=0), "keep_rounds")],
+    [
+        (dict(rank=4, world_size=4), "0 <= rank < world_size=4"),
+        (dict(rank=-1, world_size=2), "rank=-1"),
+        (dict(rank=0, world_size=0), "world_size must be >= 1"),
+        (dict(rank=0, world_size=2, min_replicas=3), "min_replicas"),
+        (dict(rank=0, world_size=2, codec="fp4"), "fp4"),
+        (dict(rank=0, world_size=2, timeout_s=0), "timeout_s"),
+        (dict(rank=0, world_size=2, keep_rounds=0), "keep_rounds"),
+    ],
 )
 def test_invalid_configuration(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -282,7 +289,7 @@ def test_error_feedback_residuals_are_per_key(url: str) -> None:
         try:
             ars[r].allreduce(xs[r], residual_key="a")
             ars[r].allreduce(xs[r][:300], residual_key="b")
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]

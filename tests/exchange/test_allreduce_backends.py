@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.allreduce import FAST, assert_identical, randn, run_replicas
 
 from diloco_serverless.errors import StoreError
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.errors import CorruptObjectError
 from diloco_serverless.run.layout import contrib_key
 from diloco_serverless.store.objectstore import ObjectStore
+from support.allreduce import FAST, assert_identical, randn, run_replicas
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
@@ -55,7 +55,12 @@ def test_unreachable_store_fails_within_the_round_timeout() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again below: nothing listens there
-    opts = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "x", "secret": "y", "client_kwargs": {"region_name": "us-east-1"}}
+    opts = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "key": "x",
+        "secret": "y",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
     ar = ObjectStoreAllReduce("s3://nowhere", 0, 2, **{**FAST, "timeout_s": 2.0}, storage_options=opts)
     with pytest.raises(StoreError, match="nowhere"):
         ar.allreduce(torch.ones(4))

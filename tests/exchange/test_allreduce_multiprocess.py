@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from support.allreduce_worker import make_input
 from support.allreduce_worker import run as worker_run
 
@@ -23,18 +24,39 @@ pytestmark = pytest.mark.slow
 def _context() -> Any:
     """A forkserver that imports torch and the exchange once; each replica is a fresh fork of it."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "s3fs", "diloco_serverless.exchange.allreduce", "diloco_serverless.store", "support.allreduce_worker"])
+    ctx.set_forkserver_preload(
+        ["torch", "s3fs", "diloco_serverless.exchange.allreduce", "diloco_serverless.store", "support.allreduce_worker"]
+    )
     return ctx
 
 
-def launch(url: str, out: Path, env: dict[str, str], *, world: int = 4, die: dict[int, str] | None = None,
-           numel: int = NUMEL, **kw: Any) -> dict[int, int]:
+def launch(
+    url: str,
+    out: Path,
+    env: dict[str, str],
+    *,
+    world: int = 4,
+    die: dict[int, str] | None = None,
+    numel: int = NUMEL,
+    **kw: Any,
+) -> dict[int, int]:
     """Run ``world`` replica processes to completion; returns each rank's exit code."""
     out.mkdir(parents=True, exist_ok=True)
     procs = {}
     for r in range(world):
-        spec = {"url": url, "rank": r, "world_size": world, "run_id": "mp", "numel": numel, "seed": 7,
-                "out_dir": str(out), "die": (die or {}).get(r, ""), "env": env, **FAST, **kw}
+        spec = {
+            "url": url,
+            "rank": r,
+            "world_size": world,
+            "run_id": "mp",
+            "numel": numel,
+            "seed": 7,
+            "out_dir": str(out),
+            "die": (die or {}).get(r, ""),
+            "env": env,
+            **FAST,
+            **kw,
+        }
         procs[r] = _context().Process(target=worker_run, args=(spec,), name=f"replica-{r}")
         procs[r].start()
     codes = {}
@@ -59,7 +81,9 @@ def results(out: Path, ranks: list[int]) -> tuple[dict[int, dict[str, torch.Tens
     return tensors, stats
 
 
-def check(out: Path, survivors: list[int], averaged: list[int], rounds: int = 1, numel: int = NUMEL) -> dict[int, list[dict[str, Any]]]:
+def check(
+    out: Path, survivors: list[int], averaged: list[int], rounds: int = 1, numel: int = NUMEL
+) -> dict[int, list[dict[str, Any]]]:
     tensors, stats = results(out, survivors)
     for k in range(rounds):
         expected = torch.stack([make_input(7, r, numel) * (k + 1) for r in averaged]).mean(0)
@@ -97,7 +121,9 @@ def test_replica_killed_before_contributing_is_left_out(file_store_url: str, tmp
     check(tmp_path / "out", [0, 1, 2], [0, 1, 2])
 
 
-def test_owner_killed_after_contributing_is_taken_over_s3(s3_store_url: str, s3_env: dict[str, str], tmp_path: Path) -> None:
+def test_owner_killed_after_contributing_is_taken_over_s3(
+    s3_store_url: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
     numel = 1 << 18
     codes = launch(s3_store_url, tmp_path / "out", s3_env, die={2: "after-ready"}, numel=numel)
     _assert_ok(tmp_path / "out", codes)

@@ -16,17 +16,16 @@ import pytest
 
 pytest.importorskip("huggingface_hub")
 
-from support import FAKE_REPLICA, pythonpath_env
-from support.fake_hf_jobs_server import FakeHFJobsServer  # noqa: E402
-
 from diloco_serverless.executors import ReplicaStatus
 from diloco_serverless.executors.base import (
     ExecutorUnavailable,
     ReplicaFailedError,
     handle_from_json,
 )
-from diloco_serverless.executors.hf_jobs import HFJobsExecutor  # noqa: E402
+from diloco_serverless.executors.hf_jobs import HFJobsExecutor
 from diloco_serverless.executors.registry import executor_for_handle, get_executor
+from support import FAKE_REPLICA, pythonpath_env
+from support.fake_hf_jobs_server import FakeHFJobsServer
 
 pytestmark = pytest.mark.slow
 

@@ -16,14 +16,13 @@ pytest.importorskip("huggingface_hub")
 pytest.importorskip("s3fs")
 pytest.importorskip("diloco_serverless.entrypoints.replica")
 
-from support.fake_hf_jobs_server import FakeHFJobsServer  # noqa: E402
-
 from diloco_serverless.config import RunConfig
 from diloco_serverless.executors import ReplicaStatus
 from diloco_serverless.executors.base import ReplicaFailedError
-from diloco_serverless.executors.hf_jobs import HFJobsExecutor  # noqa: E402
+from diloco_serverless.executors.hf_jobs import HFJobsExecutor
 from diloco_serverless.run.members import read_members
 from diloco_serverless.run.record import create_run
+from support.fake_hf_jobs_server import FakeHFJobsServer
 
 pytestmark = pytest.mark.slow
 

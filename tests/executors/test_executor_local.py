@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-from support import FAKE_REPLICA, pythonpath_env
 
 from diloco_serverless.executors import ReplicaStatus
 from diloco_serverless.executors._proc import pid_alive
@@ -19,6 +18,7 @@ from diloco_serverless.executors.base import (
 )
 from diloco_serverless.executors.local import LocalProcessExecutor, default_log_dir
 from diloco_serverless.executors.registry import executor_for_handle, get_executor
+from support import FAKE_REPLICA, pythonpath_env
 
 pytestmark = pytest.mark.slow
 

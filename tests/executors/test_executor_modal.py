@@ -11,32 +11,32 @@ import json
 import os
 import sys
 import types
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-modal_exception = pytest.importorskip("modal.exception")
-
-from support import FAKE_REPLICA, REPO_ROOT, pythonpath_env
-
 from diloco_serverless.executors import ReplicaStatus
 from diloco_serverless.executors import modal as modal_executor
-from diloco_serverless.executors._remote import ReplicaProcessError, run_replica_process  # noqa: E402
+from diloco_serverless.executors._remote import ReplicaProcessError, run_replica_process
 from diloco_serverless.executors.base import (
     ExecutorUnavailable,
     ReplicaFailedError,
     handle_from_json,
 )
-from diloco_serverless.executors.modal import ModalExecutor  # noqa: E402
+from diloco_serverless.executors.modal import ModalExecutor
 from diloco_serverless.executors.registry import executor_for_handle, get_executor
+from support import FAKE_REPLICA, REPO_ROOT, pythonpath_env
+
+modal_exception = pytest.importorskip("modal.exception")
 
 RUN_URL = "s3://bucket/runs/run-m1"
 
 
 class FakeCall:
-    def __init__(self, fake: "FakeModal", call_id: str, args: tuple[Any, ...]) -> None:
+    def __init__(self, fake: FakeModal, call_id: str, args: tuple[Any, ...]) -> None:
         self.fake, self.object_id, self.args = fake, call_id, args
         self.logs = types.SimpleNamespace(tail=self._tail)
 
@@ -58,7 +58,7 @@ class FakeCall:
 
 
 class FakeFunction:
-    def __init__(self, fake: "FakeModal", raw_f: Any, options: dict[str, Any]) -> None:
+    def __init__(self, fake: FakeModal, raw_f: Any, options: dict[str, Any]) -> None:
         self.fake, self.raw_f, self.options = fake, raw_f, options
 
     def spawn(self, *args: Any) -> FakeCall:
@@ -67,7 +67,7 @@ class FakeFunction:
         self.fake.spawns.append((self, args, self.fake.app_running))
         return call
 
-    def with_options(self, **options: Any) -> "FakeFunction":
+    def with_options(self, **options: Any) -> FakeFunction:
         self.fake.with_options.append(options)
         return FakeFunction(self.fake, self.raw_f, {**self.options, **options})
 
@@ -77,13 +77,13 @@ class FakeImage:
         self.ops = ops
 
     @classmethod
-    def debian_slim(cls, python_version: str | None = None) -> "FakeImage":
+    def debian_slim(cls, python_version: str | None = None) -> FakeImage:
         return cls([("debian_slim", python_version)])
 
-    def pip_install(self, *packages: str) -> "FakeImage":
+    def pip_install(self, *packages: str) -> FakeImage:
         return FakeImage([*self.ops, ("pip_install", packages)])
 
-    def add_local_python_source(self, *modules: str) -> "FakeImage":
+    def add_local_python_source(self, *modules: str) -> FakeImage:
         return FakeImage([*self.ops, ("add_local_python_source", modules)])
 
 
@@ -120,7 +120,7 @@ class FakeModal:
                 return decorate
 
             @contextmanager
-            def run(self, **kw: Any) -> Iterator["App"]:
+            def run(self, **kw: Any) -> Iterator[App]:
                 fake.runs.append(kw)
                 self.app_id, fake.app_running = "ap-123", True
                 try:

@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import FAKE_REPLICA, FIXTURES, TESTS_DIR
-from support.fake_executor import FakeExecutor
 
 import diloco_serverless
 from diloco_serverless.config import RunConfig
@@ -28,6 +26,8 @@ from diloco_serverless.launcher.status import (
     run_state,
 )
 from diloco_serverless.run.record import RunNotFound
+from support import FAKE_REPLICA, FIXTURES, TESTS_DIR
+from support.fake_executor import FakeExecutor
 
 
 def _cfg(tmp_path: Path, *sets: str) -> RunConfig:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import FIXTURES
 
 from diloco_serverless.launcher.terraform import (
     TERRAFORM_BINARY_ENV,
@@ -25,6 +24,7 @@ from diloco_serverless.launcher.terraform import (
     load_terraform_outputs,
     parse_terraform_outputs,
 )
+from support import FIXTURES
 
 DATA = FIXTURES
 AWS_GOLDEN = DATA / "terraform_output_aws.json"

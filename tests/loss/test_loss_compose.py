@@ -241,7 +241,8 @@ def test_pairs_of_different_lengths_use_two_forwards(model: Bigram) -> None:
         batch[f"dpo_rejected_{key}"] = torch.cat([batch[f"dpo_rejected_{key}"], torch.zeros(2, 2, dtype=torch.long)], 1)
     padded = compose_loss(model, batch, beta_replay=1.0)
     assert model.calls == [True, True, True]
-    assert padded.trace_replay_dpo.item() == pytest.approx(compose_loss(model, make_batch(), beta_replay=1.0).trace_replay_dpo.item())
+    unpadded = compose_loss(model, make_batch(), beta_replay=1.0)
+    assert padded.trace_replay_dpo.item() == pytest.approx(unpadded.trace_replay_dpo.item())
 
 
 def _absent_variants() -> list[tuple[str, Any]]:
@@ -354,9 +355,7 @@ def _with(key: str, value: Any) -> dict[str, Any]:
         ("dpo_chosen_response_mask", _t([[0, 0, 1, 1], [1, 0, 0, 0]]), r"'dpo_chosen_response_mask'.*row 1"),
     ],
 )
-def test_bad_batches_raise_value_errors_naming_key_and_shape(
-    model: Bigram, key: str, value: Any, match: str
-) -> None:
+def test_bad_batches_raise_value_errors_naming_key_and_shape(model: Bigram, key: str, value: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         compose_loss(model, _with(key, value), alpha_sdpo=1.0, beta_replay=1.0)
 
@@ -365,7 +364,9 @@ def test_teacher_with_other_row_count_is_named(model: Bigram) -> None:
     batch = make_batch()
     for key in ("input_ids", "attention_mask", "response_mask"):
         batch[f"ctx_teacher_{key}"] = torch.cat([batch[f"ctx_teacher_{key}"]] * 2)
-    with pytest.raises(ValueError, match=r"'input_ids' \(shape \(2, 6\)\) and 'ctx_teacher_input_ids' \(shape \(4, 7\)\)"):
+    with pytest.raises(
+        ValueError, match=r"'input_ids' \(shape \(2, 6\)\) and 'ctx_teacher_input_ids' \(shape \(4, 7\)\)"
+    ):
         compose_loss(model, batch, alpha_sdpo=1.0)
 
 

@@ -71,7 +71,7 @@ def run_replicas(base: nn.Module, make_manager: Callable[[int], Any], world: int
                     inner_step(model, opt, gen)
             manager.shutdown()
             out[rank] = rep
-        except BaseException as exc:  # noqa: BLE001 - surfaced by the caller
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]

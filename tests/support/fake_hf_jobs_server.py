@@ -129,7 +129,7 @@ class FakeHFJobsServer:
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
-    def __enter__(self) -> "FakeHFJobsServer":
+    def __enter__(self) -> FakeHFJobsServer:
         self._thread.start()
         return self
 

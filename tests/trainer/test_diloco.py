@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from diloco_serverless.testing import MockGroup, MockManager
+from diloco_serverless.trainer.manager import ObjectStoreManager
 from support.diloco_harness import (
     assert_close_params,
     assert_identical,
@@ -13,11 +16,8 @@ from support.diloco_harness import (
     tiny_model,
 )
 
-from diloco_serverless.testing import MockGroup, MockManager
-from diloco_serverless.trainer.manager import ObjectStoreManager
 
-
-def _store_managers(tmp_path: Path, world: int, **kw: object):  # noqa: ANN202
+def _store_managers(tmp_path: Path, world: int, **kw: object):
     url = f"file://{tmp_path}/store"
 
     def make(rank: int) -> ObjectStoreManager:
@@ -32,7 +32,9 @@ def test_two_replicas_match_reference(tmp_path: Path) -> None:
     assert_identical(reps)
     assert_close_params(reps[0].global_named_parameters(), reference_run(base, 2, rounds=3, sync_every=4))
     # one flat object per shard per round, never one per parameter
-    contrib = sorted(p.relative_to(tmp_path) for p in (tmp_path / "store/numerics/rounds/00000000/contrib").rglob("rank-*"))
+    contrib = sorted(
+        p.relative_to(tmp_path) for p in (tmp_path / "store/numerics/rounds/00000000/contrib").rglob("rank-*")
+    )
     assert len(contrib) == 2 * 2, contrib
     for rep in reps:
         assert [h.round for h in rep.manager.history] == [0, 1, 2]
@@ -51,8 +53,9 @@ def test_two_fragments_with_sync_delay_match_reference(tmp_path: Path) -> None:
 
 def test_int8_with_error_feedback_matches_reference(tmp_path: Path) -> None:
     base = tiny_model(2)
-    reps = run_replicas(base, _store_managers(tmp_path, 2, codec="int8", error_feedback=True), 2,
-                        rounds=3, sync_every=3)
+    reps = run_replicas(
+        base, _store_managers(tmp_path, 2, codec="int8", error_feedback=True), 2, rounds=3, sync_every=3
+    )
     assert_identical(reps)
     want = reference_run(base, 2, rounds=3, sync_every=3, codec="int8", error_feedback=True)
     assert_close_params(reps[0].global_named_parameters(), want, atol=1e-5)
@@ -66,8 +69,7 @@ def test_mock_manager_matches_reference() -> None:
     group = MockGroup(3)
     reps = run_replicas(base, lambda r: MockManager(group, r, fragments=2), 3, rounds=4, sync_every=4, fragments=2)
     assert_identical(reps)
-    assert_close_params(reps[0].global_named_parameters(),
-                        reference_run(base, 3, rounds=4, sync_every=4, fragments=2))
+    assert_close_params(reps[0].global_named_parameters(), reference_run(base, 3, rounds=4, sync_every=4, fragments=2))
 
 
 def test_mock_fault_is_not_committed_and_replica_recovers() -> None:

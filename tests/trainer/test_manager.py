@@ -21,14 +21,14 @@ def _exchange(manager: MockManager | ObjectStoreManager, value: torch.Tensor,
     return t, manager.should_commit()
 
 
-def _in_threads(fn, world: int) -> list:  # noqa: ANN001
+def _in_threads(fn, world: int) -> list:
     out: list = [None] * world
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
         try:
             out[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]

@@ -1,4 +1,5 @@
-"""`python -m diloco_serverless.entrypoints.replica` as real processes: bad inputs, SIGKILL + restart, 4 replicas on S3."""
+"""`python -m diloco_serverless.entrypoints.replica` as real processes: bad inputs, SIGKILL + restart,
+4 replicas on S3."""
 
 from __future__ import annotations
 
@@ -13,23 +14,41 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.diloco_harness import create_tiny_run, write_jsonl
 
 from diloco_serverless.store.objectstore import ObjectStore
+from support.diloco_harness import create_tiny_run, write_jsonl
 
 pytestmark = pytest.mark.slow
 
 
-def _spawn(run_url: str, rank: int | str, log: Path, *, attempt: int = 0, dump: Path | None = None,
-           env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    full = {**os.environ, "REPLICA_RANK": str(rank), "DILOCO_RUN_URL": run_url, "DILOCO_ATTEMPT": str(attempt),
-            "OMP_NUM_THREADS": "1", "DILOCO_LOG_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
-            **(env or {})}
+def _spawn(
+    run_url: str,
+    rank: int | str,
+    log: Path,
+    *,
+    attempt: int = 0,
+    dump: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    full = {
+        **os.environ,
+        "REPLICA_RANK": str(rank),
+        "DILOCO_RUN_URL": run_url,
+        "DILOCO_ATTEMPT": str(attempt),
+        "OMP_NUM_THREADS": "1",
+        "DILOCO_LOG_LEVEL": "WARNING",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
     if dump is not None:
         full["DILOCO_DUMP_PARAMS"] = str(dump)
     with log.open("ab") as fh:
-        return subprocess.Popen([sys.executable, "-m", "diloco_serverless.entrypoints.replica"], env=full,
-                                stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "diloco_serverless.entrypoints.replica"],
+            env=full,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
@@ -84,8 +103,9 @@ def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, i
 
 
 @pytest.mark.parametrize("case", ["broken", "missing", "rank", "empty", "shape"])
-def test_bad_inputs_fail_before_training_with_one_line(bad_runs, case: str, monkeypatch: pytest.MonkeyPatch,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+def test_bad_inputs_fail_before_training_with_one_line(
+    bad_runs, case: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from diloco_serverless.entrypoints.replica import main
 
     url, rank, expect = bad_runs[case]
@@ -99,7 +119,7 @@ def test_bad_inputs_fail_before_training_with_one_line(bad_runs, case: str, monk
         assert not ObjectStore(url).exists("rounds/00000000/quorum.json"), "nothing was trained"
 
 
-def test_bad_input_exit_code_as_a_process(bad_runs, tmp_path: Path) -> None:  # noqa: ANN001
+def test_bad_input_exit_code_as_a_process(bad_runs, tmp_path: Path) -> None:
     url, rank, expect = bad_runs["empty"]
     log = tmp_path / "empty.log"
     assert _wait([_spawn(url, rank, log)], 120) == [2]
@@ -132,8 +152,9 @@ def test_sigkill_and_restart_rejoins_bit_identical(tmp_path: Path) -> None:
     assert store.exists("final/DONE.json")
 
 
-def test_four_replicas_over_s3_produce_loadable_final(tmp_path: Path, s3_store_url: str, s3_env: dict[str, str],
-                                                      s3_storage_options: dict) -> None:  # noqa: ANN001
+def test_four_replicas_over_s3_produce_loadable_final(
+    tmp_path: Path, s3_store_url: str, s3_env: dict[str, str], s3_storage_options: dict
+) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
     os.environ.update({k: v for k, v in s3_env.items() if k not in os.environ})
     url = create_tiny_run(s3_store_url, data, 4, rounds=2, checkpoint_every=1, eval_every=1)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.diloco_harness import create_tiny_run, write_jsonl
 
 from diloco_serverless.run.members import read_members, read_metrics
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.diloco import CheckpointMismatch
 from diloco_serverless.trainer.loop import ReplicaTrainer, TrainResult
+from support.diloco_harness import create_tiny_run, write_jsonl
 
 
 def _train(run_url: str, ranks: list[int]) -> dict[int, tuple[TrainResult, ReplicaTrainer]]:
@@ -26,7 +26,7 @@ def _train(run_url: str, ranks: list[int]) -> dict[int, tuple[TrainResult, Repli
         try:
             trainer = ReplicaTrainer.from_run(run_url, rank)
             out[rank] = (trainer.run(), trainer)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(r,)) for r in ranks]
@@ -58,7 +58,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[in
     return url, _train(url, [0, 1])
 
 
-def test_replicas_end_identical_and_write_final(finished_run, tmp_path: Path) -> None:  # noqa: ANN001
+def test_replicas_end_identical_and_write_final(finished_run, tmp_path: Path) -> None:
     url, results = finished_run
     (r0, t0), (r1, t1) = results[0], results[1]
     _assert_equal(_globals(t0), _globals(t1))
@@ -77,7 +77,7 @@ def test_replicas_end_identical_and_write_final(finished_run, tmp_path: Path) ->
         assert torch.equal(params[name].detach(), tensor), name
 
 
-def test_metrics_heartbeats_and_checkpoints(finished_run) -> None:  # noqa: ANN001
+def test_metrics_heartbeats_and_checkpoints(finished_run) -> None:
     url, _ = finished_run
     store = ObjectStore(url)
     metrics = read_metrics(store)
@@ -103,7 +103,7 @@ def test_metrics_heartbeats_and_checkpoints(finished_run) -> None:  # noqa: ANN0
 
 
 @pytest.mark.parametrize("drop", ["last_checkpoint", "all_checkpoints"])
-def test_late_replica_heals_bit_identical(finished_run, tmp_path: Path, drop: str) -> None:  # noqa: ANN001
+def test_late_replica_heals_bit_identical(finished_run, tmp_path: Path, drop: str) -> None:
     """A fresh replica heals from the newest checkpoint (or none) + replay of stored rounds."""
     url, results = finished_run
     copy = tmp_path / "copy" / "run-test"
@@ -122,7 +122,7 @@ def test_late_replica_heals_bit_identical(finished_run, tmp_path: Path, drop: st
     trainer.manager.shutdown()
 
 
-def test_heal_from_checkpoint_only(finished_run, tmp_path: Path) -> None:  # noqa: ANN001
+def test_heal_from_checkpoint_only(finished_run, tmp_path: Path) -> None:
     url, results = finished_run
     copy = tmp_path / "copy" / "run-test"
     shutil.copytree(url.removeprefix("file://"), copy)
@@ -133,7 +133,7 @@ def test_heal_from_checkpoint_only(finished_run, tmp_path: Path) -> None:  # noq
     trainer.manager.shutdown()
 
 
-def test_checkpoint_with_other_shapes_is_refused(finished_run) -> None:  # noqa: ANN001
+def test_checkpoint_with_other_shapes_is_refused(finished_run) -> None:
     url, results = finished_run
     trainer = results[0][1]
     tensors, meta = trainer.rep.state_tensors()
@@ -145,7 +145,7 @@ def test_checkpoint_with_other_shapes_is_refused(finished_run) -> None:  # noqa:
         trainer.rep.check_compatible(tensors, dict(meta, fragments=2), source="ckpt")
 
 
-def test_rank_outside_run_is_refused(finished_run) -> None:  # noqa: ANN001
+def test_rank_outside_run_is_refused(finished_run) -> None:
     url, _ = finished_run
     with pytest.raises(ValueError, match="rank 2 is outside run"):
         ReplicaTrainer.from_run(url, 2)
@@ -153,9 +153,22 @@ def test_rank_outside_run_is_refused(finished_run) -> None:  # noqa: ANN001
 
 def test_two_fragments_with_delay_and_int8(tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
-    url = create_tiny_run(f"file://{tmp_path}/store", data, 2, rounds=2, sync_every=4, checkpoint_every=0,
-                          eval_every=0, **{"exchange.keep_rounds": 1, "exchange.fragments": 2, "exchange.fragment_sync_delay": 1,
-                                           "exchange.codec": '"int8"', "exchange.error_feedback": "true"})
+    url = create_tiny_run(
+        f"file://{tmp_path}/store",
+        data,
+        2,
+        rounds=2,
+        sync_every=4,
+        checkpoint_every=0,
+        eval_every=0,
+        **{
+            "exchange.keep_rounds": 1,
+            "exchange.fragments": 2,
+            "exchange.fragment_sync_delay": 1,
+            "exchange.codec": '"int8"',
+            "exchange.error_feedback": "true",
+        },
+    )
     results = _train(url, [0, 1])
     _assert_equal(_globals(results[0][1]), _globals(results[1][1]))
     metrics = read_metrics(ObjectStore(url), rank=0)
