@@ -62,6 +62,7 @@ __all__ = [
     "TAKEOVER_TIMEOUT_S",
     "POLL_INTERVAL_S",
     "tomllib",
+    "Codec",
 ]
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -228,6 +229,9 @@ class LossConfig(_Section):
         return self.beta_replay > 0.0 and self.dpo_variant == "dpo"
 
 
+#: Pseudo-gradient codecs on the wire (implemented in diloco_serverless.exchange.codec).
+Codec = Literal["fp32", "bf16", "int8"]
+
 #: Exchange deadlines and polling, in seconds: the one definition of their defaults, used by
 #: ExchangeConfig, ObjectStoreAllReduce and ObjectStoreManager alike.
 ROUND_TIMEOUT_S = 1800.0
@@ -239,7 +243,7 @@ POLL_INTERVAL_S = 0.5
 class ExchangeConfig(_Section):
     """How pseudo-gradients travel through the store (``ObjectStoreAllReduce``)."""
 
-    codec: Literal["fp32", "bf16", "int8"] = Field("fp32", description="Pseudo-gradient codec on the wire.")
+    codec: Codec = Field("fp32", description="Pseudo-gradient codec on the wire.")
     error_feedback: bool = Field(False, description="Add the codec's residual to the next round (lossy codecs).")
     fragments: int = Field(1, ge=1, description="Streaming DiLoCo fragments; must divide inner.sync_every.")
     fragment_sync_delay: int = Field(

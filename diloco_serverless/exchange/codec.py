@@ -24,10 +24,11 @@ import struct
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
+from diloco_serverless.config import Codec
 from diloco_serverless.exchange.errors import CorruptObjectError
 
 __all__ = [
@@ -46,9 +47,8 @@ __all__ = [
 ]
 
 FORMAT = "diloco-exchange/1"
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8")
+CODECS: tuple[str, ...] = get_args(Codec)
 INT8_BLOCK = 256
-Codec = Literal["fp32", "bf16", "int8"]
 
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "F32",

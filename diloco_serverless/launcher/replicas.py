@@ -1,11 +1,12 @@
-"""How the CLI and API talk to a ``ServerlessExecutor`` (``diloco_serverless.executors``).
+"""How the launcher drives a ``ServerlessExecutor`` once it is built (building one is
+:mod:`diloco_serverless.executors.registry`'s job).
 
-Builds executors from a kind and GPU type (SDK and token errors become LaunchErrors), starts the
-replica entrypoint with the run URL, and turns handles and ``poll`` results into plain data:
-handles are the JSON dicts stored in run.json; states become :class:`~diloco_serverless.launcher.status.ExecutorState`.
+Starts the replica entrypoint with the run URL, and turns handles and ``poll`` results into plain
+data: handles are the JSON dicts stored in run.json; states become
+:class:`~diloco_serverless.launcher.status.ExecutorState`.
 
-Failure: a poll that raises (network, expired token) yields no states, so status falls back to
-heartbeats instead of failing; building an executor raises LaunchError with the executor's message.
+Failure: a poll that raises (network, expired token) yields ``unknown`` states, so status falls back
+to heartbeats instead of failing.
 """
 
 from __future__ import annotations
