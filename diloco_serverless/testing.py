@@ -107,7 +107,9 @@ class MockManager(ManagerBase):
             self.fail_rounds.discard(round_)
             self.group.abstain(self.rank, round_)
             raise ConnectionError(f"injected fault in round {round_} on rank {self.rank}")
-        late = round_ in self.drop_rounds
+        if record.abstained is None and not bool(torch.isfinite(tensor).all()):
+            record.abstained = "pseudo-gradient has non-finite values (NaN/Inf)"
+        late = round_ in self.drop_rounds or record.abstained is not None
         result, ranks = self.group.contribute(self.rank, round_, None if late else tensor.clone())
         record.participants, record.late = list(ranks), self.rank not in ranks
         record.bytes_up = 0 if late else tensor.numel() * tensor.element_size()

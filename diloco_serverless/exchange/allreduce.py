@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -54,6 +54,7 @@ from diloco_serverless.exchange.codec import (
     validate_codec,
 )
 from diloco_serverless.exchange.errors import (
+    AbstainedError,
     CorruptObjectError,
     MismatchError,
     RoundPrunedError,
@@ -65,6 +66,7 @@ from diloco_serverless.exchange.quorum import (
     check_agreement,
     read_quorum,
     wait_for_quorum,
+    write_abstention,
 )
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
@@ -75,9 +77,6 @@ from diloco_serverless.run.layout import (
     round_prefix,
 )
 from diloco_serverless.store.objectstore import ObjectStore
-
-if TYPE_CHECKING:  # pragma: no cover
-    from diloco_serverless.store.objectstore import ObjectStore
 
 __all__ = [
     "CorruptObjectError",
@@ -106,6 +105,7 @@ class RoundStats:
     reduced_shards: list[int] = field(default_factory=list)
     takeovers: list[int] = field(default_factory=list)
     phases_s: dict[str, float] = field(default_factory=dict)  # publish, quorum, reduce, gather
+    abstained: str | None = None  # why this replica did not contribute (its values were not finite)
 
 
 @dataclass
@@ -182,18 +182,32 @@ class ObjectStoreAllReduce:
     # ------------------------------------------------------------------ public API
 
     def allreduce(
-        self, tensor: torch.Tensor, *, round: int | None = None, residual_key: str = "default"
+        self,
+        tensor: torch.Tensor,
+        *,
+        round: int | None = None,
+        residual_key: str = "default",
+        abstain: str | None = None,
     ) -> torch.Tensor:
         """Return the element-wise mean of ``tensor`` over this round's participants.
 
         Same dtype, shape and device as ``tensor``; bit-identical on every replica. ``round``
         defaults to the round after the last one this object ran (0 first).
+
+        A replica whose ``tensor`` holds NaN or Inf, or that passes ``abstain`` (the reason, e.g. its
+        loss diverged), does not contribute: it announces that in the store and receives the mean of
+        the others, like a late replica (``last_stats.abstained`` says why). The others close the round
+        without waiting for it if ``min_replicas`` allows; otherwise every replica raises
+        :class:`~diloco_serverless.exchange.errors.AbstainedError` naming it.
         """
         r = self._next_round if round is None else int(round)
         if r < 0:
             raise ValueError(f"round must be >= 0, got {r}")
         t0 = time.monotonic()
         if self._io is None:
+            reason = abstain or _non_finite(tensor.detach().reshape(-1).float())
+            if reason is not None:
+                raise AbstainedError(f"round {r}: the only replica cannot contribute ({reason})")
             self._next_round = r + 1
             self.last_stats = RoundStats(r, [self.rank], late=False)
             return tensor.detach().clone()
@@ -202,7 +216,7 @@ class ObjectStoreAllReduce:
         if self.error_feedback and self.codec != "fp32":
             flat = self._add_residual(flat, residual_key)
         rs = _Round(r, self._marker(r, tensor), shard_bounds(flat.numel(), self.world_size), t0 + self.timeout_s)
-        rs.stats = RoundStats(r, [])
+        rs.stats = RoundStats(r, [], abstained=abstain or _non_finite(flat))
         quorum = self._join(rs, flat)
         rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
         out = self._gather(rs, quorum)
@@ -275,7 +289,10 @@ class ObjectStoreAllReduce:
         quorum = read_quorum(io, run_id=self.run_id, round=rs.r)
         if quorum is None:
             t = time.monotonic()
-            rs.own = self._publish(rs, flat)
+            if rs.stats.abstained is None:
+                rs.own = self._publish(rs, flat)
+            else:
+                write_abstention(io, rs.me, rs.stats.abstained)
             waited = time.monotonic()
             rs.stats.phases_s["publish"] = waited - t
             wait = QuorumWait(
@@ -444,6 +461,12 @@ class ObjectStoreAllReduce:
                 max_workers=min(16, self.world_size), thread_name_prefix=f"exchange-{self.rank}"
             )
         return self._pool
+
+
+def _non_finite(flat: torch.Tensor) -> str | None:
+    """Why ``flat`` must not be averaged in (it holds NaN or Inf), or None."""
+    bad = int((~torch.isfinite(flat)).sum())
+    return None if bad == 0 else f"pseudo-gradient has {bad} non-finite values (NaN/Inf) of {flat.numel()}"
 
 
 def _batches(shards: list[int], bounds: list[tuple[int, int]], max_elems: int) -> list[list[int]]:

@@ -21,3 +21,9 @@ class MismatchError(ExchangeError):
 class RoundPrunedError(ExchangeError):
     """The requested round is gone from the store (pruned) or was skipped by the rest of the run;
     the replica must heal from a checkpoint instead of joining it."""
+
+
+class AbstainedError(ExchangeError):
+    """Too few replicas can contribute to a round because some abstained (their values were not
+    finite) and ``min_replicas`` does not allow closing the round without them. Raised identically
+    on every replica; the message names the abstaining ranks and their reasons."""

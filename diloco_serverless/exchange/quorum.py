@@ -14,6 +14,7 @@ same :class:`MismatchError` everywhere.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -22,12 +23,14 @@ from typing import Any
 from diloco_serverless.exchange._io import FIRST_POLL_S as _FIRST_POLL_S
 from diloco_serverless.exchange._io import CountingStore, json_bytes, ranks_in
 from diloco_serverless.exchange.errors import (
+    AbstainedError,
     CorruptObjectError,
     MismatchError,
     RoundPrunedError,
 )
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
+    abstain_key,
     quorum_key,
     ready_key,
     ready_prefix,
@@ -107,6 +110,38 @@ class Quorum:
                 f"quorum object {key!r} lists participants {q.participants} without matching markers"
             )
         return q
+
+
+_ABSTAIN_RE = re.compile(r"/abstain-(\d+)$")
+
+
+def abstained_in(keys: list[str]) -> set[int]:
+    """Ranks with an ``abstain-<r>`` object among ``keys`` (a listing of the round's ready prefix)."""
+    return {int(m.group(1)) for m in map(_ABSTAIN_RE.search, keys) if m}
+
+
+def write_abstention(io: CountingStore, me: ReadyMarker, reason: str) -> None:
+    """Announce that ``me.rank`` will not contribute to ``me.round`` (why: ``reason``), so the others
+    close the round without waiting for it, or fail at once if they cannot."""
+    record = {"run_id": me.run_id, "round": me.round, "rank": me.rank, "reason": reason[:500]}
+    io.put(abstain_key(me.round, me.rank), json_bytes(record))
+
+
+def _abstention_error(io: CountingStore, me: ReadyMarker, ready: set[int], abstained: set[int],
+                      min_replicas: int) -> AbstainedError:
+    reasons: list[str] = []
+    for r in sorted(abstained):
+        data = io.get_or_none(abstain_key(me.round, r))
+        try:
+            reason = str(json.loads(data.decode("utf-8"))["reason"]) if data is not None else "?"
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            reason = "unreadable abstention record"
+        reasons.append(f"rank {r}: {' '.join(reason.split())[:200]}")
+    return AbstainedError(
+        f"round {me.round}: only {len(ready)} of {me.world_size} replicas can contribute and min_replicas="
+        f"{min_replicas}; abstained ({'; '.join(reasons)}). Fix the diverging replica (lower inner.lr, raise "
+        "inner.warmup_steps) or set exchange min_replicas lower so the run can go on without it"
+    )
 
 
 def read_quorum(io: CountingStore, *, run_id: str, round: int) -> Quorum | None:
@@ -191,11 +226,16 @@ def wait_for_quorum(
     entitled_since: float | None = None
     seen: set[int] = set()
     while True:
-        ready = {r for r in ranks_in(io.list(ready_prefix(me.round))) if 0 <= r < p.world_size}
+        listing = io.list(ready_prefix(me.round))
+        ready = {r for r in ranks_in(listing) if 0 <= r < p.world_size}
+        abstained = {r for r in abstained_in(listing) if 0 <= r < p.world_size} - ready
         if on_ready is not None:
             on_ready(ready)
         now = time.monotonic()
-        entitled = len(ready) >= p.world_size or (
+        accounted = len(ready) + len(abstained) >= p.world_size
+        if accounted and len(ready) < p.min_replicas and read_quorum(io, run_id=me.run_id, round=me.round) is None:
+            raise _abstention_error(io, me, ready, abstained, p.min_replicas)
+        entitled = (accounted and len(ready) >= p.min_replicas) or (
             now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas
         )
         if entitled:

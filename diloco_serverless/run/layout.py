@@ -58,6 +58,13 @@ def ready_key(round: int, rank: int) -> str:
     return f"{ready_prefix(round)}/{_rank(rank)}"
 
 
+def abstain_key(round: int, rank: int) -> str:
+    """``rounds/<round>/ready/abstain-<r>``: rank r will not contribute to the round (its values were
+    not finite). Beside the ready markers, so the one listing that finds who is ready finds it too."""
+    _check_index("rank", rank, 6)
+    return f"{ready_prefix(round)}/abstain-{rank}"
+
+
 def quorum_key(round: int) -> str:
     """``rounds/<round>/quorum.json`` (create-only)."""
     return f"{round_prefix(round)}/quorum.json"

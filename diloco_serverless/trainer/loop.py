@@ -137,6 +137,8 @@ class ReplicaTrainer:
         self.inner_steps = 0
         self.bytes_up = self.bytes_down = 0
         self.replayed = self.trained = 0
+        self.abstentions = 0
+        self._note: str | None = None  # shown in the heartbeats of the round after an abstention
         self.last_eval: float | None = None
         self.metrics: list[dict[str, Any]] = []
 
@@ -259,17 +261,28 @@ class ReplicaTrainer:
             return
         round_, seg = self.manager.current_step(), _Segment()
         self._heartbeat(HEARTBEAT_TRAINING)
+        self._note = None
         while True:
             self._inner_step(seg)
             if self.rep.at_boundary:
                 break
         record = self.manager.history[-1] if self.manager.history else None
+        if record is not None and record.round == round_ and record.abstained is not None:
+            self._after_abstention(round_, record.abstained)
         committed = self.manager.current_step() > round_
         if committed:
             self.trained += 1
         else:  # the round failed on this replica: the others may have moved on and pruned
             self.heal()
         self._after_round(round_, seg, record if record and record.round == round_ else None, committed)
+
+    def _after_abstention(self, round_: int, reason: str) -> None:
+        """This replica did not contribute to ``round_`` (non-finite loss or pseudo-gradient). DiLoCo
+        has already set its parameters to the new global ones; the inner optimizer's moments may hold
+        NaN/Inf, so they start again. The heartbeat says why until the next round."""
+        self.inner.state.clear()
+        self.abstentions += 1
+        self._note = f"abstained from round {round_}: {reason}"[:500]
 
     def _inner_step(self, seg: _Segment) -> None:
         cfg = self.cfg
@@ -279,17 +292,24 @@ class ReplicaTrainer:
         batch = self.data.next_batch()
         kwargs = cfg.loss.compose_kwargs(taid_t=self.taid.t if self.taid else None)
         comps = compose_loss(self.model, batch, **kwargs)
-        if not torch.isfinite(comps.total):
-            raise FloatingPointError(
-                f"rank {self.rank}: loss is {float(comps.total)} at inner step {self.inner_steps}; "
-                "lower inner.lr or raise inner.warmup_steps"
-            )
         self.inner.zero_grad(set_to_none=True)
-        comps.total.backward()  # type: ignore[no-untyped-call]  # untyped in torch
-        if cfg.inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.inner.grad_clip)
+        finite = bool(torch.isfinite(comps.total))
+        if finite:
+            comps.total.backward()  # type: ignore[no-untyped-call]  # untyped in torch
+            if cfg.inner.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.inner.grad_clip)
+        elif self.manager.abstain_reason is None:
+            # Diverged: take no more steps this round and do not contribute to it (see _after_sync).
+            self.manager.abstain_reason = (
+                f"loss is {float(comps.total.detach())} at inner step {self.inner_steps}; lower inner.lr or raise "
+                "inner.warmup_steps"
+            )
+            logger.warning("rank %d: %s; abstaining from round %d", self.rank, self.manager.abstain_reason,
+                           self.manager.current_step())
+        if not finite or self.manager.abstain_reason is not None:
+            self.inner.zero_grad(set_to_none=True)  # no update, but the step still counts towards the sync
         self.inner.step()  # torchft's DiLoCo hooks may prepare/perform a fragment sync here
-        if self.taid is not None:
+        if self.taid is not None and finite:
             self.taid.update_t(comps.sdpo_jsd, self.inner_steps)
         self.inner_steps += 1
         seg.add(comps.to_floats(), int(batch["attention_mask"].sum()))
@@ -353,6 +373,7 @@ class ReplicaTrainer:
                 participants=record.participants,
                 late=record.late,
                 error=record.error,
+                abstained=record.abstained,
             )
         if eval_loss is not None:
             out["eval_loss"] = eval_loss
@@ -423,7 +444,7 @@ class ReplicaTrainer:
             state=state,
             bytes_up=self.bytes_up,
             bytes_down=self.bytes_down,
-            message=message,
+            message=message if message is not None else self._note,
         )
         try:
             write_heartbeat(self.store, hb)

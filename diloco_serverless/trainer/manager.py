@@ -61,6 +61,7 @@ class ExchangeRecord:
     exchange_s: float = 0.0  # wall time of the exchange on the background thread
     blocked_s: float = 0.0  # time the training thread spent blocked in Work.wait()
     error: str | None = None
+    abstained: str | None = None  # why this replica did not contribute (non-finite loss or values)
 
 
 class _TrackingFuture(torch.futures.Future):  # type: ignore[type-arg]
@@ -158,6 +159,9 @@ class ManagerBase(abc.ABC):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-exchange-r{rank}")
         self.history: list[ExchangeRecord] = []
         self._warned_quantize = False
+        #: Set by the train loop when this replica must not contribute to the next round (its loss
+        #: was not finite); the exchange then only receives the others' mean. Cleared per round.
+        self.abstain_reason: str | None = None
 
     # -- subclass hooks -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -205,7 +209,10 @@ class ManagerBase(abc.ABC):
         if should_quantize and not self._warned_quantize:
             logger.info("should_quantize is ignored: the codec is the exchange's setting (exchange.codec)")
             self._warned_quantize = True
-        record = ExchangeRecord(round=self._step, numel=tensor.numel(), replayed=self._replay)
+        record = ExchangeRecord(
+            round=self._step, numel=tensor.numel(), replayed=self._replay, abstained=self.abstain_reason
+        )
+        self.abstain_reason = None
         self.history.append(record)
         host = tensor.detach().to("cpu", copy=True)
         self._inflight = self._executor.submit(self._run, tensor, host, record, future, reduce_op, self._replay)
@@ -422,9 +429,10 @@ class ObjectStoreManager(ManagerBase):
         self.url, self.run_id = url, run_id
 
     def _exchange(self, tensor: torch.Tensor, round_: int, residual_key: str, record: ExchangeRecord) -> torch.Tensor:
-        result = self.exchange.allreduce(tensor, round=round_, residual_key=residual_key)
+        result = self.exchange.allreduce(tensor, round=round_, residual_key=residual_key, abstain=record.abstained)
         stats = getattr(self.exchange, "last_stats", None)
         if stats is not None:
+            record.abstained = stats.abstained
             record.participants = sorted(int(r) for r in stats.participants)
             record.late = bool(stats.late)
             record.bytes_up, record.bytes_down = int(stats.bytes_up), int(stats.bytes_down)

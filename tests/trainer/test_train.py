@@ -176,3 +176,61 @@ def test_two_fragments_with_delay_and_int8(tmp_path: Path) -> None:
     store = ObjectStore(url)
     assert ckpt.find_latest_checkpoint(store) == 3
     assert {k.split("/")[1] for k in store.list("rounds/")} == {"00000003"}, "rounds before the checkpoint were pruned"
+
+
+def test_a_diverging_replica_abstains_and_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's loss turns NaN in round 1: it takes no step, does not contribute, says why in its heartbeat
+    and metrics, restarts its inner optimizer from the new global parameters; the run finishes with both
+    replicas identical and finite (before: FloatingPointError killed the replica)."""
+    import dataclasses
+
+    from diloco_serverless.trainer import loop
+
+    data = write_jsonl(tmp_path / "data.jsonl")
+    url = create_tiny_run(f"file://{tmp_path}/store", data, 2, rounds=3, min_replicas=1)
+    who = threading.local()
+    real = loop.compose_loss
+    calls: dict[int, int] = {0: 0, 1: 0}
+
+    def diverging(model: torch.nn.Module, batch: dict, **kw: object):  # type: ignore[no-untyped-def]
+        comps = real(model, batch, **kw)
+        rank = getattr(who, "rank", 0)
+        calls[rank] += 1
+        if rank == 1 and calls[rank] == 3:  # inner step 3 = the first step of round 1 (H=2)
+            return dataclasses.replace(comps, total=comps.total * float("nan"))
+        return comps
+
+    monkeypatch.setattr(loop, "compose_loss", diverging)
+    out: dict[int, tuple[TrainResult, ReplicaTrainer]] = {}
+    beats: dict[int, list[str | None]] = {0: [], 1: []}
+
+    def work(rank: int) -> None:
+        who.rank = rank
+        trainer = ReplicaTrainer.from_run(url, rank)
+        original = trainer._heartbeat
+
+        def spy(state: str, **kw: object) -> None:
+            original(state, **kw)  # type: ignore[arg-type]
+            beats[rank].append(trainer._note)
+
+        trainer._heartbeat = spy  # type: ignore[method-assign]
+        out[rank] = (trainer.run(), trainer)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert set(out) == {0, 1}
+    (r0, t0), (r1, t1) = out[0], out[1]
+    _assert_equal(_globals(t0), _globals(t1))
+    assert all(torch.isfinite(v).all() for v in _globals(t0).values())
+    assert r0.rounds == r1.rounds == 3
+    assert t1.abstentions == 1 and t0.abstentions == 0
+    assert any(n and n.startswith("abstained from round 1: loss is nan") for n in beats[1])
+    metrics = {m["outer_round"]: m for m in read_metrics(ObjectStore(url), 1)}
+    assert metrics[1]["abstained"].startswith("loss is nan at inner step 2")
+    assert metrics[0]["abstained"] is None and metrics[2]["abstained"] is None
+    assert [m["participants"] for m in sorted(read_metrics(ObjectStore(url), 0), key=lambda m: m["outer_round"])] == [
+        [0, 1], [0], [0, 1]
+    ]
