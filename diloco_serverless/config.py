@@ -63,6 +63,8 @@ __all__ = [
     "POLL_INTERVAL_S",
     "tomllib",
     "Codec",
+    "TRUST_REMOTE_CODE_ENV",
+    "RUN_KEY_ENV",
 ]
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -229,6 +231,13 @@ class LossConfig(_Section):
         return self.beta_replay > 0.0 and self.dpo_variant == "dpo"
 
 
+#: Set to "1" by the launcher in every replica's environment when it was given --trust-remote-code;
+#: replicas honour model.trust_remote_code only then, never from the stored config alone.
+TRUST_REMOTE_CODE_ENV = "DILOCO_TRUST_REMOTE_CODE"
+#: The environment variable that carries the run key to replicas (diloco_serverless.run.integrity).
+#: Its name marks it a secret, so the executors never send it as plain configuration.
+RUN_KEY_ENV = "DILOCO_RUN_KEY"
+
 #: Pseudo-gradient codecs on the wire (implemented in diloco_serverless.exchange.codec).
 Codec = Literal["fp32", "bf16", "int8"]
 
@@ -268,23 +277,71 @@ class ExchangeConfig(_Section):
     )
 
 
+#: A 40-character AWS secret access key: base64 characters mixing upper case, lower case and
+#: digits, with at most two "/" (a path has more), standing alone (the whole value, or set off by
+#: characters outside base64 such as "=", ":", "&", "." or a space; inside a longer path it is not
+#: told from the path). A 40-hex digest (a sha1, a git commit as ``model.revision``) is never
+#: matched: hex has no mix of upper and lower case. An ordinary 40-character value of letters and
+#: digits in mixed case (a long run id) is refused too; rename it.
+_AWS_SECRET_KEY = (
+    r"(?<![A-Za-z0-9/+])"
+    r"(?=[A-Za-z0-9/+]{0,39}[A-Z])(?=[A-Za-z0-9/+]{0,39}[a-z])(?=[A-Za-z0-9/+]{0,39}[0-9])"
+    r"(?!(?:[A-Za-z0-9+]*/){3})"
+    r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"
+)
+
+#: (kind, pattern): what :func:`find_secret` recognises, first match wins. Errors name the kind, never
+#: the value.
 _SECRET_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("an AWS access key id", re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")),
     ("a Hugging Face token", re.compile(r"\bhf_[A-Za-z0-9]{30,}\b")),
+    ("a GitHub token", re.compile(r"\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{22,})\b")),
     ("an API key", re.compile(r"\bsk-[A-Za-z0-9_-]{20,}\b")),
     ("a Modal token", re.compile(r"\b(ak|as)-[A-Za-z0-9]{20,}\b")),
+    ("a JSON Web Token", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*")),
     ("a private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
-    ("a password in a URL", re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]+@")),
-    ("a URL query credential", re.compile(r"[?&](X-Amz-Signature|X-Amz-Credential|sig|token|access_token)=", re.I)),
+    ("a password in a URL", re.compile(r"\b[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]+@", re.I)),
+    ("a signed URL credential", re.compile(
+        r"\b(X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|X-Goog-Signature|X-Goog-Credential)=", re.I)),
+    ("an S3 SigV2 signed URL", re.compile(r"[?&](Signature|AWSAccessKeyId)=", re.I)),
+    ("a URL query credential", re.compile(r"[?&](sig|token|access_token)=", re.I)),
+    # last: the least specific pattern, so a prefixed token is named by its own kind
+    ("an AWS secret access key", re.compile(_AWS_SECRET_KEY)),
 )
 
 
 def find_secret(value: str) -> str | None:
-    """Name of the secret kind ``value`` looks like, or None."""
+    """Name of the secret kind ``value`` looks like (e.g. "a Hugging Face token"), or None.
+
+    The name is safe to print; the value never is.
+    """
     for kind, pattern in _SECRET_PATTERNS:
         if pattern.search(value):
             return kind
     return None
+
+
+def _quote(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, or ``<a value that looks like KIND>`` when it holds a secret.
+
+    Long values are cut to ``limit`` characters, so an error stays one readable line.
+    """
+    text = value if isinstance(value, str) else repr(value)
+    kind = find_secret(text)
+    if kind is not None:
+        return f"<a value that looks like {kind}, not shown>"
+    quoted = repr(value)
+    return quoted if len(quoted) <= limit else quoted[: limit - 3] + "..."
+
+
+def _quote_override(item: str) -> str:
+    """An override as an error shows it: ``key=value``, or ``key=<... KIND, not shown>`` around a secret."""
+    if find_secret(item) is None:
+        return item
+    key, sep, value = item.partition("=")
+    if sep and find_secret(key) is None and find_secret(value) is not None:
+        return f"{key.strip()}={_quote(value)}"
+    return _quote(item)
 
 
 class RunConfig(_Section):
@@ -370,7 +427,7 @@ class RunConfig(_Section):
         an equal copy. Raises ConfigError naming the field and the ``--set`` source.
         """
         if isinstance(overrides, str):  # a lone "k=v" would otherwise be split into characters
-            raise TypeError(f"with_overrides takes a list of 'key=value' strings, e.g. [{overrides!r}]")
+            raise TypeError(f"with_overrides takes a list of 'key=value' strings, e.g. [{_quote(overrides)}]")
         return type(self)._from_raw_with_overrides(self.to_json_dict(), list(overrides), "config")
 
     @classmethod
@@ -380,7 +437,7 @@ class RunConfig(_Section):
             key, value = _parse_override(item)
             _set_dotted(raw, key, value, cls)
         if overrides:
-            source = f"{source} + --set {' '.join(overrides)}"
+            source = f"{source} + --set {' '.join(_quote_override(o) for o in overrides)}"
         return cls.from_dict(raw, source=source)
 
     @classmethod
@@ -441,7 +498,7 @@ def _unknown_key_error(key: str, source: str) -> ConfigError:
         leaf = key.rsplit(".", 1)[-1]
         close = [k for k in known if k.rsplit(".", 1)[-1] == leaf][:3]
     hint = f"did you mean {', '.join(close)}?" if close else "see docs/config.md for the fields"
-    return ConfigError(f"unknown config key {key!r} (from {source}); {hint}")
+    return ConfigError(f"unknown config key {_quote(key)} (from {source}); {hint}")
 
 
 def _check_known_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str, source: str) -> None:
@@ -456,11 +513,11 @@ def _check_known_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str, 
 
 def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like key=value, e.g. inner.lr=3e-4")
+        raise ConfigError(f"override {_quote(item)} must look like key=value, e.g. inner.lr=3e-4")
     key, text = item.split("=", 1)
     key = key.strip()
     if not key:
-        raise ConfigError(f"override {item!r} has no key; use e.g. inner.lr=3e-4")
+        raise ConfigError(f"override {_quote(item)} has no key; use e.g. inner.lr=3e-4")
     try:
         value: Any = tomllib.loads(f"v = {text.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -495,7 +552,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
         desc = _describe(loc)
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        got = f" (got {_quote(err['input'])})" if "input" in err and not isinstance(err["input"], dict) else ""
         msg = err["msg"].removeprefix("Value error, ")
         head = f"  {loc}: " if loc != "<root>" else "  "
         lines.append(f"{head}{msg}{got}" + (f" -- {desc}" if desc else ""))

@@ -36,6 +36,21 @@ S3_SECRET = "testing"
 S3_REGION = "us-east-1"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_run_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Run keys the launcher keeps (diloco_serverless.run.integrity) go to a temporary folder, not to
+    ~/.config; subprocesses inherit the variable. A stray DILOCO_RUN_KEY would sign every run alike."""
+    saved = {k: os.environ.get(k) for k in ("DILOCO_KEYS_DIR", "DILOCO_RUN_KEY")}
+    os.environ["DILOCO_KEYS_DIR"] = str(tmp_path_factory.mktemp("run-keys"))
+    os.environ.pop("DILOCO_RUN_KEY", None)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

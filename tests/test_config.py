@@ -193,3 +193,68 @@ def test_with_overrides_errors_match_load(overrides: list[str], expected: str) -
 def _without_source(message: str) -> str:
     """A ConfigError message minus its "(from <source>)" part, which differs by entry point."""
     return re.sub(r"\(from [^)]*\)", "(from ...)", message)
+
+
+# ------------------------------------------------------------------------------------ secrets: kinds, never values
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
+SECRETS = [
+    ("model.revision", AWS_SECRET, "an AWS secret access key"),
+    ("data.source", f"https://host/d.jsonl?aws_secret_access_key={AWS_SECRET}", "an AWS secret access key"),
+    ("data.source", "https://storage.googleapis.com/b/d.jsonl?X-Goog-Algorithm=x&X-Goog-Signature=0a1b2c",
+     "a signed URL credential"),
+    ("data.source", "https://b.s3.amazonaws.com/d.jsonl?Expires=1700000000&Signature=dGhpcyBpcyBzaWc%3D",
+     "an S3 SigV2 signed URL"),
+    ("data.source", "HTTPS://alice:hunter2@example.com/d.jsonl", "a password in a URL"),
+    ("store", "S3://alice:hunter2@minio.local/bucket", "a password in a URL"),
+    *[("model.name", f"{prefix}_{'A1b2C3d4E5' * 3}f6G7h8", "a GitHub token")  # 36 characters, as GitHub's
+      for prefix in ("ghp", "gho", "ghu", "ghs", "ghr")],
+    ("model.name", "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTU",
+     "a GitHub token"),
+    ("model.name", JWT, "a JSON Web Token"),
+    ("model.name", "hf_abcdefghijklmnopqrstuvwxyzABCDEFGH", "a Hugging Face token"),
+]
+
+
+@pytest.mark.parametrize("field,value,kind", SECRETS, ids=[f"{k} in {f}" for f, _, k in SECRETS])
+def test_each_secret_kind_is_refused_by_field_and_kind_without_echoing_it(field: str, value: str, kind: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        RunConfig.load(None, [f"{field}={json.dumps(value)}"])
+    message = str(info.value)
+    assert f"{field} looks like it contains {kind}" in message
+    assert value not in message and value[:16] not in message, message
+
+
+def test_secret_in_a_value_of_the_wrong_type_is_not_echoed() -> None:
+    """The type error quotes the input ("got ..."): never when it is a secret."""
+    with pytest.raises(ConfigError, match=r"replicas: .*\(got <a value that looks like a GitHub token, not shown>\)"
+                       ) as info:
+        RunConfig.load(None, ["replicas=ghp_" + "a1B2" * 10])
+    assert "a1B2a1B2" not in str(info.value)
+    with pytest.raises(ConfigError, match="unknown config key <a value that looks like a JSON Web Token") as info:
+        RunConfig.load(None, [f"{JWT}=1"])
+    assert JWT[:20] not in str(info.value)
+
+
+def test_secret_in_a_toml_file_is_refused_without_echoing_it(tmp_path: Path) -> None:
+    path = tmp_path / "leaky.toml"
+    path.write_text(f'replicas = "{AWS_SECRET}"\n[model]\nname = "{AWS_SECRET}"\n')
+    with pytest.raises(ConfigError) as info:
+        RunConfig.load(path, [])
+    message = str(info.value)
+    assert str(path) in message and "an AWS secret access key" in message
+    assert "replicas" in message and AWS_SECRET not in message and AWS_SECRET[:16] not in message
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model.revision", "da39a3ee5e6b4b0d3255bfef95601890afd80709"),  # a git commit / sha1 hex digest
+    ("model.revision", "DA39A3EE5E6B4B0D3255BFEF95601890AFD80709"),
+    ("model.name", "meta-llama/Llama-3.1-8B-Instruct"),
+    ("data.source", "/home/alice/Datasets2024/train/v3/part1/all"),  # a path: more than two '/'
+    ("data.source", "https://huggingface.co/datasets/x/resolve/main/d.jsonl?download=true"),
+    ("store", "s3://bucket/prefix/runs"),
+    ("run_id", "run-20261129-214455-ab12"),
+])
+def test_ordinary_values_are_not_mistaken_for_secrets(field: str, value: str) -> None:
+    cfg = RunConfig.load(None, [f"{field}={json.dumps(value)}"])
+    assert cfg.model_dump()[field.split(".")[0]] is not None

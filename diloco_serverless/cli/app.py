@@ -29,10 +29,13 @@ from rich.text import Text
 
 from diloco_serverless import __version__
 from diloco_serverless.cli.render import (
+    note_lines,
+    plain,
     progress_line,
     runs_table,
     status_renderable,
     summary_lines,
+    text,
 )
 from diloco_serverless.errors import (
     ExecutorError,
@@ -44,8 +47,8 @@ from diloco_serverless.errors import (
 )
 from diloco_serverless.launcher.api import Run, RunFailed
 from diloco_serverless.launcher.api import launch as api_launch
-from diloco_serverless.launcher.plot import eval_loss_of, train_loss_of
-from diloco_serverless.launcher.preflight import parse_options
+from diloco_serverless.launcher.plot import eval_loss_of, metrics_notes, train_loss_of
+from diloco_serverless.launcher.preflight import check_max_usd, parse_options
 from diloco_serverless.launcher.pricing import PRICE_TABLES, usd_per_replica_hour
 from diloco_serverless.launcher.status import TERMINAL
 from diloco_serverless.run.record import RunNotFound, join_run_url, list_runs
@@ -66,8 +69,14 @@ def _out() -> Console:
 
 
 def _err(message: str) -> None:
+    """One ``error:`` line; the message may quote what the store held, so it is made plain text."""
     Console(stderr=True, highlight=False, width=10_000, soft_wrap=True).print(
-        Text.assemble(("error:", "bold red"), " ", message))
+        Text.assemble(("error:", "bold red"), " ", plain(message)))
+
+
+def _say(out: Console, line: str) -> None:
+    """Print one line as text (never markup), made plain: run ids, URLs and reasons may come from the store."""
+    out.print(text(line))
 
 
 #: "The run failed": exit 1. Checked first, so a failed run is never reported as bad input.
@@ -140,14 +149,18 @@ class _Progress:
         key = (status.state, status.round, status.loss, [r.state for r in status.replicas])
         if key != self.last_key:
             self.last_key = key
-            self.console.print(progress_line(status), markup=False)
+            self.console.print(Text(progress_line(status)))
 
 
 # ---------------------------------------------------------------------------------------- launch
 @app.command()
 def launch(
     executor: str = typer.Option("local", "--executor", "-e", help="Where replicas run: local, modal or hf-jobs."),
-    replicas: int | None = typer.Option(None, "--replicas", "-n", help="Number of replicas N (default: config, 4)."),
+    replicas: int | None = typer.Option(
+        None, "--replicas", "-n",
+        help="Number of replicas N (default: config, 4). Local: at most 4 per CPU core and ~512 MiB each "
+        "(-x oversubscribe=true to exceed).",
+    ),
     gpu: str | None = typer.Option(
         None, "--gpu", "--flavor", help="Modal GPU type (A100, H100, H100:2, ...) or HF Jobs flavor (a10g-large, ...)."
     ),
@@ -184,12 +197,20 @@ def launch(
         help="Executor option KEY=VALUE, repeatable (e.g. -x local_source=true, -x namespace=my-org).",
     ),
     poll_interval_s: float = typer.Option(2.0, "--poll-interval", help="Seconds between progress polls.", min=0.1),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Confirm model.trust_remote_code: replicas run code from the model repository (docs/security.md).",
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Delete what an earlier run left in the run folder instead of refusing it."
+    ),
 ) -> None:
     """Create a run in the store, start its replicas, and follow it to the end (unless --detach)."""
     out = _out()
     with _errors():
-        if max_usd is not None and max_usd <= 0:
-            raise LaunchError(f"--max-usd must be positive (got {max_usd})")
+        if max_usd is not None:
+            check_max_usd(max_usd, "--max-usd")
         if max_usd is not None and detach:
             raise LaunchError("--max-usd needs the launcher attached to enforce it; drop --detach")
         if max_usd is not None and executor in PRICE_TABLES and usd_per_replica_hour(executor, gpu) is None:
@@ -212,13 +233,13 @@ def launch(
             gpu=gpu,
             store_from_terraform=store_from_terraform,
             executor_options=options,
+            trust_remote_code=trust_remote_code,
+            overwrite=overwrite,
         )
-        out.print(f"launched {run.config.replicas} {run.executor_kind} replicas of run {run.run_id}", markup=False)
-        out.print(f"run URL: {run.url}", markup=False)
+        _say(out, f"launched {run.config.replicas} {run.executor_kind} replicas of run {run.run_id}")
+        _say(out, f"run URL: {run.url}")
         if detach:
-            out.print(
-                f"follow it with: diloco status {run.url} --watch   (cancel: diloco cancel {run.url})", markup=False
-            )
+            _say(out, f"follow it with: diloco status {run.url} --watch   (cancel: diloco cancel {run.url})")
             return
         try:
             with _Progress(out) as progress:
@@ -236,7 +257,7 @@ def launch(
 
 def _print_summary(out: Console, status: Any) -> None:
     for line in summary_lines(status):
-        out.print(line, markup=False)
+        out.print(Text(line))
 
 
 def _print_failed_logs(out: Console, run: Any, status: Any, lines: int = 8) -> None:
@@ -245,8 +266,8 @@ def _print_failed_logs(out: Console, run: Any, status: Any, lines: int = 8) -> N
             tail = run.logs(rank, tail=lines)
         except Exception:
             continue
-        out.print(f"--- last {lines} log lines of rank {rank} ---", markup=False)
-        out.print(tail.rstrip("\n"), markup=False, highlight=False)
+        out.print(Text(f"--- last {lines} log lines of rank {rank} ---"))
+        out.print(Text("\n".join(plain(line) for line in tail.rstrip("\n").splitlines())))
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -260,7 +281,8 @@ DEFAULT_STORE = "./runs"
 def _attach(run_url: str | None) -> Any:
     """Open the run: a run URL, a bare run id under ./runs, or (None) the latest run under ./runs."""
     if run_url is None:
-        runs = list_runs(DEFAULT_STORE) if Path(DEFAULT_STORE).is_dir() else []
+        # invalid runs are skipped quietly here (``diloco ls`` names them); a warning would print their raw text
+        runs = list_runs(DEFAULT_STORE, skipped=[]) if Path(DEFAULT_STORE).is_dir() else []
         if not runs:
             raise LaunchError(f"no runs under {DEFAULT_STORE}; pass a run URL such as s3://bucket/runs/<run_id>")
         return Run.attach(runs[-1].url)
@@ -284,7 +306,8 @@ def status(
     with _errors():
         run = _attach(run_url)
         if not watch:
-            out.print(status_renderable(run.status()))
+            current = run.status()
+            out.print(status_renderable(current, notes=metrics_notes(run.metrics())))
             return
         try:
             with _Progress(out) as progress:
@@ -297,7 +320,8 @@ def status(
                     current = run.status()
         except KeyboardInterrupt:
             pass
-        out.print(status_renderable(run.status()))
+        current = run.status()
+        out.print(status_renderable(current, notes=metrics_notes(run.metrics())))
 
 
 @app.command()
@@ -343,25 +367,36 @@ def cancel(run_url: str | None = typer.Argument(None, help=RUN_HELP)) -> None:
 
         current = run.status()
         if all(r.state in TERMINAL for r in current.replicas):
-            _out().print(f"run {run.run_id} already {current.state}; nothing to cancel", markup=False)
+            _say(_out(), f"run {run.run_id} already {current.state}; nothing to cancel")
             return
         run.cancel()
-        _out().print(f"cancelled {len(run.handles)} replicas of run {run.run_id}", markup=False)
+        _say(_out(), f"cancelled {len(run.handles)} replicas of run {run.run_id}")
 
 
 @app.command("ls")
 def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live under.")) -> None:
     """List the runs under a store URL: created, executor, replicas, rounds, state, latest loss
-    (rank 0's eval loss when its latest round evaluated, else its training loss)."""
+    (rank 0's eval loss when its latest round evaluated, else its training loss).
+
+    A folder whose run.json is invalid (a run_id that is not its folder's name, a config that does not
+    validate, ...) is left out and named in a ``note:`` line; so is a run whose status cannot be read."""
 
     out = _out()
     with _errors():
         root = ObjectStore(store_url)
         rows = []
-        for record in list_runs(root):
-            run = Run(root.child(record.run_id), record)
-            st = run.status(with_metrics=False)
-            last = run.latest_metrics(0) or {}
+        skipped: list[tuple[str, str]] = []
+        notes: list[str] = []
+        for record in list_runs(root, skipped=skipped):
+            try:
+                run = Run(root.child(record.run_id), record)
+                st = run.status(with_metrics=False)
+                last = run.latest_metrics(0) or {}
+            except StoreError:  # the store itself failed: say so, as every command does
+                raise
+            except Exception as e:  # the run's folder holds something unusable: list the others
+                notes.append(f"run {record.run_id}: cannot read its status ({type(e).__name__}: {one_line(str(e))})")
+                continue
             rows.append(
                 {
                     "run_id": record.run_id,
@@ -373,10 +408,13 @@ def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live
                     "loss": eval_loss_of(last) or train_loss_of(last) or st.loss,
                 }
             )
-        if not rows:
-            out.print(f"no runs under {root.url}", markup=False)
-            return
-        out.print(runs_table(rows, root.url))
+        notes[:0] = [f"skipped {folder}: {one_line(why)}" for folder, why in skipped]
+        if rows:
+            out.print(runs_table(rows, root.url))
+        else:
+            _say(out, f"no runs under {root.url}")
+        for line in note_lines(notes, limit=300):
+            out.print(Text(line, style="yellow"))
 
 
 @app.command()
@@ -386,8 +424,12 @@ def plot(
 ) -> None:
     """Plot per-replica training loss and eval loss against rounds (PNG, matplotlib Agg)."""
     with _errors():
-        path = _attach(run_url).plot(output)
-        _out().print(f"wrote {path}", markup=False)
+        run = _attach(run_url)
+        path = run.plot(output)
+        out = _out()
+        _say(out, f"wrote {path}")
+        for line in note_lines(metrics_notes(run.metrics())):
+            out.print(Text(line, style="yellow"))
 
 
 def main() -> None:

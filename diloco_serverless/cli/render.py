@@ -2,14 +2,22 @@
 
 Everything here is a pure function from the dataclasses in :mod:`diloco_serverless.launcher.status` (or
 plain dicts) to rich renderables or strings; nothing reads the store.
+
+The terminal shows text, not markup: most of what is rendered came from the bucket (heartbeat
+messages, run.json fields, folder names), which anyone with write access to the run can fill. Every
+such string goes through :func:`plain` (control characters, ANSI/OSC escape sequences and bidi
+overrides become visible ``\\xNN`` text) and reaches Rich as a ``Text`` object or escaped with
+:func:`markup_safe`, so ``[/]`` or ``[link=...]`` is printed as written and never interpreted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -23,6 +31,37 @@ from diloco_serverless.launcher.status import (
 
 _STATE_STYLE = {SUCCEEDED: "green", FAILED: "bold red", RUNNING: "cyan", STALE: "yellow",
                 "cancelled": "magenta", "pending": "dim"}
+
+
+#: C0/C1 control characters (ESC starts ANSI and OSC 8 hyperlink sequences), DEL, zero-width and
+#: bidi formatting characters: nothing from the store may move the cursor or reorder what is shown.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def _visible(match: re.Match[str]) -> str:
+    c = match.group()
+    if c in "\t\n\r":
+        return " "
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def plain(value: Any, limit: int | None = None) -> str:
+    """``value`` as one line of inert text: control and formatting characters shown as ``\\xNN``/
+    ``\\uNNNN``, line breaks and tabs as spaces, cut to ``limit`` characters (with "...")."""
+    out = _UNSAFE.sub(_visible, value if isinstance(value, str) else str(value))
+    if limit is not None and len(out) > limit:
+        out = out[: max(0, limit - 3)] + "..."
+    return out
+
+
+def markup_safe(value: Any, limit: int | None = None) -> str:
+    """:func:`plain` then ``rich.markup.escape``: for a string Rich will parse as markup."""
+    return escape(plain(value, limit))
+
+
+def text(value: Any, style: str = "", limit: int | None = None) -> Text:
+    """A Rich ``Text`` (never parsed as markup) of :func:`plain` ``value``."""
+    return Text(plain(value, limit), style=style)
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -50,15 +89,27 @@ def fmt_duration(seconds: float | None) -> str:
 
 
 def fmt_loss(loss: float | None) -> str:
-    return "-" if loss is None else f"{loss:.4f}"
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        return "-" if loss is None else "?"
+    try:
+        return f"{float(loss):.4f}"
+    except OverflowError:  # an int too large for a float
+        return "?"
 
 
 def fmt_usd(usd: float | None) -> str:
     return "-" if usd is None else f"${usd:,.2f}"
 
 
-def _state(state: str) -> Text:
-    return Text(state, style=_STATE_STYLE.get(state, ""))
+def _state(state: Any) -> Text:
+    return text(state, style=_STATE_STYLE.get(state, "") if isinstance(state, str) else "", limit=20)
+
+
+def _field(r: Any, name: str, shown: str | None) -> str:
+    """A table cell: the value, ``?`` when the heartbeat held something unusable there, else ``-``."""
+    if shown is not None:
+        return shown
+    return "?" if name in getattr(r, "invalid", ()) else "-"
 
 
 def _round_of(status: RunStatus) -> str:
@@ -70,18 +121,23 @@ def _round_of(status: RunStatus) -> str:
 
 def replica_table(status: RunStatus) -> Table:
     """One row per replica: state, round, step, loss, heartbeat age, bytes moved, attempt."""
-    table = Table(title=f"run {status.run_id}", title_justify="left")
+    table = Table(title=text(f"run {status.run_id}"), title_justify="left")
     for col, justify in [("rank", "right"), ("state", "left"), ("round", "right"),
                          ("step", "right"), ("loss", "right"), ("heartbeat", "right"),
                          ("bytes moved", "right"), ("attempt", "right"), ("note", "left")]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in status.replicas:
-        age = "-" if r.heartbeat_age_s is None else f"{fmt_duration(r.heartbeat_age_s)} ago"
+        age = None if r.heartbeat_age_s is None else f"{fmt_duration(r.heartbeat_age_s)} ago"
+        bad_bytes = {"bytes_up", "bytes_down"} & set(r.invalid)
+        moved = "?" if bad_bytes else fmt_bytes(r.bytes_moved)
         table.add_row(
-            str(r.rank), _state(r.state), "-" if r.round is None else str(r.round),
-            "-" if r.step is None else str(r.step), fmt_loss(r.loss), age,
-            fmt_bytes(r.bytes_moved), "-" if r.attempt is None else str(r.attempt),
-            (r.reason or "")[:80],
+            text(r.rank), _state(r.state),
+            text(_field(r, "round", None if r.round is None else str(r.round))),
+            text(_field(r, "step", None if r.step is None else str(r.step))),
+            text(_field(r, "loss", None if r.loss is None else fmt_loss(r.loss))),
+            text(_field(r, "time", age)), text(moved),
+            text(_field(r, "attempt", None if r.attempt is None else str(r.attempt))),
+            text(r.reason or "", limit=80),
         )
     return table
 
@@ -98,20 +154,27 @@ def totals_line(status: RunStatus) -> str:
     return " | ".join(parts)
 
 
-def status_renderable(status: RunStatus) -> Group:
-    """Table plus totals, and the model location once it exists."""
-    items: list[Any] = [replica_table(status), Text(totals_line(status))]
+def status_renderable(status: RunStatus, notes: Sequence[str] = ()) -> Group:
+    """Table plus totals, the model location once it exists, and a ``note:`` line for each thing that
+    could not be read (a heartbeat field of the wrong type, the ``notes`` given, e.g. bad metrics)."""
+    items: list[Any] = [replica_table(status), text(totals_line(status))]
     if status.final_url:
-        items.append(Text(f"model: {status.final_url}", style="green"))
+        items.append(text(f"model: {status.final_url}", style="green"))
+    items.extend(text(line, style="yellow") for line in note_lines([*status.notes, *notes]))
     return Group(*items)
+
+
+def note_lines(notes: Iterable[str], limit: int = 200) -> list[str]:
+    """``note: <note>`` lines, each made :func:`plain` (notes quote what the store held)."""
+    return [f"note: {plain(note, limit)}" for note in notes]
 
 
 def progress_line(status: RunStatus) -> str:
     """A one-line progress report for non-terminal output (CI logs, pipes)."""
     live = sum(r.state == RUNNING for r in status.replicas)
-    return (f"[{fmt_duration(status.elapsed_s)}] round {_round_of(status)} | "
-            f"loss {fmt_loss(status.loss)} | {live}/{len(status.replicas)} running | "
-            f"moved {fmt_bytes(status.bytes_moved)}")
+    return plain(f"[{fmt_duration(status.elapsed_s)}] round {_round_of(status)} | "
+                 f"loss {fmt_loss(status.loss)} | {live}/{len(status.replicas)} running | "
+                 f"moved {fmt_bytes(status.bytes_moved)}")
 
 
 def summary_lines(status: RunStatus) -> list[str]:
@@ -128,19 +191,19 @@ def summary_lines(status: RunStatus) -> list[str]:
     ]
     for rank, reason in status.failures:
         lines.append(f"  rank {rank} failed: {reason}")
-    return lines
+    return [plain(line) for line in lines] + note_lines(status.notes)
 
 
 def runs_table(rows: Iterable[Mapping[str, Any]], store_url: str) -> Table:
     """``diloco ls``: one row per run (dicts with run_id, created, executor, replicas, rounds, state)."""
-    table = Table(title=f"runs under {store_url}", title_justify="left")
+    table = Table(title=text(f"runs under {store_url}"), title_justify="left")
     for col in ("run id", "created", "executor", "replicas", "rounds", "state", "loss"):
         table.add_column(col)
     for row in rows:
         table.add_row(
-            str(row.get("run_id", "?")), str(row.get("created", "-")),
-            str(row.get("executor") or "-"), str(row.get("replicas", "-")),
-            str(row.get("rounds", "-")), _state(str(row.get("state", "-"))),
-            fmt_loss(row.get("loss")),
+            text(row.get("run_id", "?"), limit=128), text(row.get("created", "-"), limit=40),
+            text(row.get("executor") or "-", limit=40), text(row.get("replicas", "-"), limit=20),
+            text(row.get("rounds", "-"), limit=40), _state(row.get("state", "-")),
+            text(fmt_loss(row.get("loss"))),
         )
     return table

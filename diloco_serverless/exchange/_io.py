@@ -7,6 +7,12 @@ a round is (docs/architecture.md, "The exchange protocol")::
     rounds/<round:08d>/quorum.json                create-only: participants + their markers
     rounds/<round:08d>/contrib/<shard:04d>/rank-<r>
     rounds/<round:08d>/reduced/<shard:04d>        create-only: the averaged shard
+
+Size limits: :class:`CountingStore` refuses a contribution or reduced shard larger than a valid
+object of its shard can be (:func:`~diloco_serverless.exchange.codec.max_object_bytes`) without
+reading it in full, raising :class:`CorruptObjectError` naming the key. The expected size comes
+from the round's layout (element count, world size, codec): the replica's own ready marker when
+it writes it, else the round's quorum when it reads it (:meth:`CountingStore.expect_round`).
 """
 
 from __future__ import annotations
@@ -16,16 +22,23 @@ import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
+from diloco_serverless.exchange.codec import CODECS, max_object_bytes
+from diloco_serverless.exchange.errors import CorruptObjectError
+from diloco_serverless.run.layout import ROUNDS_PREFIX
 from diloco_serverless.store.errors import ObjectNotFound
-
-if TYPE_CHECKING:  # pragma: no cover
-    from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 
 FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per empty poll up to poll_interval_s
 _RANK_RE = re.compile(r"rank-(\d+)$")
 _SHARD_RE = re.compile(r"/(\d{4,})$")
+_ROUND = rf"{re.escape(ROUNDS_PREFIX)}/(\d{{8,}})"
+_OWN_MARKER_RE = re.compile(rf"{_ROUND}/ready/rank-\d+")
+_QUORUM_RE = re.compile(rf"{_ROUND}/quorum\.json")
+_SHARD_OBJECT_RE = re.compile(rf"{_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}}))")
+_ROUND_RE = re.compile(_ROUND)
+_KEEP_LAYOUTS = 8  # rounds whose layout a CountingStore remembers (the newest)
 
 
 def ranks_in(keys: Sequence[str]) -> set[int]:
@@ -59,11 +72,41 @@ def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
     return out
 
 
+class RoundLayout(NamedTuple):
+    """What a round averages, as far as object sizes go (from a ready marker or the quorum)."""
+
+    numel: int
+    world_size: int
+    codec: str
+
+    def shard_numel(self, shard: int) -> int:
+        """Elements of ``shard`` (as :func:`shard_bounds` cuts them); 0 for a shard that cannot exist."""
+        if shard >= self.world_size:
+            return 0
+        base, extra = divmod(self.numel, self.world_size)
+        return base + (1 if shard < extra else 0)
+
+    @classmethod
+    def from_marker(cls, marker: object) -> RoundLayout | None:
+        """The layout a ready marker (JSON object) describes; ``None`` if it is not well formed
+        (the exchange's own parsing then reports it)."""
+        if not isinstance(marker, dict):
+            return None
+        numel, world_size, codec = marker.get("numel"), marker.get("world_size"), marker.get("codec")
+        if type(numel) is not int or type(world_size) is not int or numel < 0 or world_size < 1:
+            return None
+        if not isinstance(codec, str) or codec not in CODECS:
+            return None
+        return cls(numel, world_size, codec)
+
+
 class CountingStore:
-    """Thin view of an :class:`ObjectStore` that counts payload bytes moved (for ``RoundStats``).
+    """Thin view of an :class:`ObjectStore` that counts payload bytes moved (for ``RoundStats``)
+    and bounds the size of the exchange objects it reads (see the module docstring).
 
     Counts object bodies only (PUT and GET); listings and existence checks are not counted.
-    Thread-safe. Errors from the store propagate unchanged.
+    Thread-safe. Errors from the store propagate unchanged, except that an object over its size
+    limit raises :class:`CorruptObjectError` naming the key.
     """
 
     def __init__(self, store: ObjectStore) -> None:
@@ -72,6 +115,7 @@ class CountingStore:
         self.bytes_up = 0
         self.bytes_down = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._layouts: dict[int, tuple[RoundLayout, bool]] = {}  # round -> (layout, from our own marker)
 
     def reset(self) -> None:
         with self._lock:
@@ -85,26 +129,90 @@ class CountingStore:
     def put(self, key: str, data: bytes) -> None:
         self.store.put(key, data)
         self._add(up=len(data))
+        if _OWN_MARKER_RE.fullmatch(key):  # our own ready marker: the round's layout as we know it
+            self._learn(key, data, own=True)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         created = self.store.put_if_absent(key, data)
         self._add(up=len(data))
         return created
 
-    def get(self, key: str) -> bytes:
-        data = self.store.get(key)
+    # ----------------------------------------------------------------- size limits
+
+    def expect_round(self, round: int, layout: RoundLayout, *, own: bool = True) -> None:
+        """Bound the objects of ``round`` by ``layout`` from now on. A layout from this replica's
+        own marker (``own``) is kept over one read from the store (a quorum)."""
+        with self._lock:
+            known = self._layouts.get(round)
+            if known is not None and known[1] and not own:
+                return
+            self._layouts[round] = (layout, own)
+            while len(self._layouts) > _KEEP_LAYOUTS:
+                del self._layouts[min(self._layouts)]
+
+    def max_bytes(self, key: str) -> int | None:
+        """Largest valid size of the object at ``key``: bounded for a contribution or reduced shard
+        of a round whose layout is known, else ``None`` (no limit)."""
+        m = _SHARD_OBJECT_RE.fullmatch(key)
+        if m is None:
+            return None
+        with self._lock:
+            known = self._layouts.get(int(m.group(1)))
+        if known is None:
+            return None
+        layout = known[0]
+        return max_object_bytes(layout.codec, layout.shard_numel(int(m.group(2) or m.group(3))))
+
+    def _learn(self, key: str, data: bytes, *, own: bool) -> None:
+        """Record the round layout in a ready marker or ``quorum.json`` we wrote or read; anything
+        malformed is ignored here (the exchange's own parsing reports it)."""
+        try:
+            obj = json.loads(data)
+            if not own:  # quorum.json: the first participant's marker, as the exchange uses it
+                first = min(obj["participants"])
+                obj = obj["markers"][str(first)]
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            return
+        layout = RoundLayout.from_marker(obj)
+        m = _ROUND_RE.match(key)
+        if layout is not None and m is not None:
+            self.expect_round(int(m.group(1)), layout, own=own)
+
+    def _fetch(self, key: str, max_bytes: int | None) -> bytes:
+        """One GET, refused as :class:`CorruptObjectError` if over ``max_bytes`` (default: :meth:`max_bytes`)."""
+        limit = self.max_bytes(key) if max_bytes is None else max_bytes
+        try:
+            data = self.store.get(key, max_bytes=limit)
+        except ObjectTooLarge as e:
+            raise CorruptObjectError(
+                f"exchange object {key!r} is larger than the {e.max_bytes} bytes a valid object there can have; "
+                "refusing it without reading it in full (no replica of this round writes one that large)"
+            ) from e
+        if _QUORUM_RE.fullmatch(key):
+            self._learn(key, data, own=False)
+        return data
+
+    # ----------------------------------------------------------------- reads
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """One GET (see :meth:`get_many` for ``max_bytes``)."""
+        data = self._fetch(key, max_bytes)
         self._add(down=len(data))
         return data
 
-    def get_many(self, keys: Sequence[str], *, missing_ok: bool = False) -> dict[str, bytes]:
+    def get_many(
+        self, keys: Sequence[str], *, missing_ok: bool = False, max_bytes: int | None = None
+    ) -> dict[str, bytes]:
         """Concurrent single GETs (one request per key: no existence probe before each GET).
 
         Missing keys are omitted if ``missing_ok``, else the store's ``ObjectNotFound`` propagates.
+        Each object is bounded by ``max_bytes`` if given, else by :meth:`max_bytes` of its key; one
+        over its bound raises :class:`CorruptObjectError` naming it.
         """
 
         def one(key: str) -> bytes | None:
             try:
-                return self.store.get(key)
+                return self._fetch(key, max_bytes)
             except ObjectNotFound:
                 if missing_ok:
                     return None

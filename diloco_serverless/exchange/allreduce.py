@@ -41,7 +41,6 @@ from diloco_serverless.exchange._io import (
 )
 from diloco_serverless.exchange._io import (
     CountingStore,
-    json_bytes,
     shard_bounds,
     shards_in,
 )
@@ -65,6 +64,7 @@ from diloco_serverless.exchange.quorum import (
     ReadyMarker,
     check_agreement,
     read_quorum,
+    signed_json,
     wait_for_quorum,
     write_abstention,
 )
@@ -136,6 +136,8 @@ class ObjectStoreAllReduce:
         codec: ``fp32``, ``bf16`` or ``int8`` for contributions and reduced shards (reduction is fp32).
         error_feedback: add the codec's residual of the previous round (per ``residual_key``) to the input.
         keep_rounds: rounds kept in the store (older ones are deleted); ``None`` keeps all (use ``prune``).
+        run_key: the run's secret key (diloco_serverless.run.integrity): every object this replica writes
+            carries an HMAC under it, and objects read without a valid one are refused as corrupt.
         poll_interval_s: longest sleep between polls (polling starts at 20 ms and backs off 1.5x).
 
     Raises ``ValueError`` in ``__init__`` for an impossible configuration, saying what to change.
@@ -157,12 +159,14 @@ class ObjectStoreAllReduce:
         keep_rounds: int | None = 4,
         storage_options: dict[str, Any] | None = None,
         poll_interval_s: float = POLL_INTERVAL_S,
+        run_key: bytes | None = None,
     ) -> None:
         _validate(
             rank, world_size, min_replicas, timeout_s, straggler_timeout_s, takeover_timeout_s, keep_rounds,
             poll_interval_s,
         )
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
+        self._run_key = run_key
         self.codec = validate_codec(codec)
         self.timeout_s, self.straggler_timeout_s, self.takeover_timeout_s = (
             timeout_s,
@@ -234,7 +238,7 @@ class ObjectStoreAllReduce:
         """
         if self._io is None:
             return None
-        quorum = read_quorum(self._io, run_id=self.run_id, round=round)
+        quorum = read_quorum(self._io, run_id=self.run_id, round=round, run_key=self._run_key)
         if quorum is None:
             return None
         ref = quorum.markers[quorum.participants[0]]
@@ -249,7 +253,7 @@ class ObjectStoreAllReduce:
         if len(blobs) != len(keys):
             return None
         parts = [
-            decode_shard(blobs[k], key=k, expect=self._reduced_header(round, j, b, ref))
+            decode_shard(blobs[k], key=k, expect=self._reduced_header(round, j, b, ref), run_key=self._run_key)
             for j, (k, b) in enumerate(zip(keys, bounds))
         ]
         return torch.cat(parts).view(like.shape).to(device=like.device, dtype=like.dtype)
@@ -286,17 +290,22 @@ class ObjectStoreAllReduce:
         """Publish our contribution unless the round already has a quorum; return the quorum."""
         io = self._io
         assert io is not None and rs.stats is not None
-        quorum = read_quorum(io, run_id=self.run_id, round=rs.r)
+        quorum = read_quorum(io, run_id=self.run_id, round=rs.r, run_key=self._run_key)
         if quorum is None:
             t = time.monotonic()
             if rs.stats.abstained is None:
                 rs.own = self._publish(rs, flat)
             else:
-                write_abstention(io, rs.me, rs.stats.abstained)
+                write_abstention(io, rs.me, rs.stats.abstained, self._run_key)
             waited = time.monotonic()
             rs.stats.phases_s["publish"] = waited - t
             wait = QuorumWait(
-                self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline, self.poll_interval_s
+                self.world_size,
+                self.min_replicas,
+                self.straggler_timeout_s,
+                rs.deadline,
+                self.poll_interval_s,
+                self._run_key,
             )
             quorum = wait_for_quorum(io, rs.me, wait, on_ready=lambda ready: self._prefetch(rs, ready))
             rs.stats.wait_s += time.monotonic() - waited
@@ -315,11 +324,11 @@ class ObjectStoreAllReduce:
             header = ShardHeader(
                 self.run_id, rs.r, j, "contrib", self.codec, b - a, self.rank, rs.me.dtype, rs.me.shape
             )
-            io.put(contrib_key(rs.r, j, self.rank), pack(enc, asdict(header)))
+            io.put(contrib_key(rs.r, j, self.rank), pack(enc, asdict(header), self._run_key))
             return decode_values(enc, self.codec, b - a)
 
         own = list(self._executor().map(one, range(self.world_size)))
-        io.put(ready_key(rs.r, self.rank), json_bytes(asdict(rs.me)))
+        io.put(ready_key(rs.r, self.rank), signed_json(self._run_key, "ready", asdict(rs.me)))
         return own
 
     def _gather(self, rs: _Round, quorum: Quorum) -> torch.Tensor:
@@ -375,7 +384,8 @@ class ObjectStoreAllReduce:
             keys = {j: reduced_key(rs.r, j) for j in batch}
             blobs = io.get_many(list(keys.values()))
             for j, key in keys.items():
-                place(j, decode_shard(blobs.pop(key), key=key, expect=self._reduced_header(rs.r, j, rs.bounds[j], ref)))
+                expect = self._reduced_header(rs.r, j, rs.bounds[j], ref)
+                place(j, decode_shard(blobs.pop(key), key=key, expect=expect, run_key=self._run_key))
         return bool(present)
 
     def _prefetch(self, rs: _Round, ready: set[int]) -> None:
@@ -413,13 +423,14 @@ class ObjectStoreAllReduce:
                     "exists; the round was pruned or the store lost it — restart the round"
                 )
             head = ShardHeader(self.run_id, rs.r, j, "contrib", ref.codec, b - a, q, ref.dtype, ref.shape)
-            acc += decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head)
+            acc += decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self._run_key)
         acc /= len(quorum.participants)
         enc = encode_values(acc, self.codec)
         key = reduced_key(rs.r, j)
-        if io.put_if_absent(key, pack(enc, asdict(self._reduced_header(rs.r, j, (a, b), ref)))):
+        expect = self._reduced_header(rs.r, j, (a, b), ref)
+        if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key)):
             return decode_values(enc, self.codec, b - a)
-        return decode_shard(io.get(key), key=key, expect=self._reduced_header(rs.r, j, (a, b), ref))
+        return decode_shard(io.get(key), key=key, expect=expect, run_key=self._run_key)
 
     def _finish(self, rs: _Round, t0: float) -> None:
         """Record stats and delete the round that fell out of ``keep_rounds``."""

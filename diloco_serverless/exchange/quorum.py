@@ -28,6 +28,7 @@ from diloco_serverless.exchange.errors import (
     MismatchError,
     RoundPrunedError,
 )
+from diloco_serverless.run.integrity import mac_json, verify_json
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
     abstain_key,
@@ -55,6 +56,18 @@ class ReadyMarker:
 
     def describe(self) -> str:
         return f"rank {self.rank}: shape {tuple(self.shape)} ({self.numel} elements, {self.dtype}, codec {self.codec})"
+
+    @classmethod
+    def parse(cls, data: bytes, *, key: str, run_key: bytes | None = None) -> ReadyMarker:
+        """A stored ready marker; CorruptObjectError naming ``key`` if malformed or not signed."""
+        try:
+            obj = json.loads(data.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptObjectError(f"ready marker {key!r} is not JSON ({e}); refusing it") from e
+        check_signature(run_key, "ready", obj, key)
+        if not isinstance(obj, dict):
+            raise CorruptObjectError(f"ready marker {key!r} is not a JSON object; refusing it")
+        return cls.from_json(obj, key=key)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], *, key: str) -> ReadyMarker:
@@ -85,10 +98,15 @@ class Quorum:
         }
 
     @classmethod
-    def parse(cls, data: bytes, *, key: str, run_id: str, round: int) -> Quorum:
-        """Parse ``quorum.json``; raises :class:`CorruptObjectError` naming ``key`` if it is bad or foreign."""
+    def parse(cls, data: bytes, *, key: str, run_id: str, round: int, run_key: bytes | None = None) -> Quorum:
+        """Parse ``quorum.json``; raises :class:`CorruptObjectError` naming ``key`` if it is bad, foreign
+        or (with ``run_key``) not signed with the run's key."""
         try:
             obj = json.loads(data.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptObjectError(f"quorum object {key!r} is not valid quorum JSON ({e}); refusing it") from e
+        check_signature(run_key, "quorum", obj, key)
+        try:
             markers = {int(r): ReadyMarker.from_json(m, key=key) for r, m in obj["markers"].items()}
             q = cls(
                 obj["run_id"],
@@ -120,23 +138,44 @@ def abstained_in(keys: list[str]) -> set[int]:
     return {int(m.group(1)) for m in map(_ABSTAIN_RE.search, keys) if m}
 
 
-def write_abstention(io: CountingStore, me: ReadyMarker, reason: str) -> None:
+def signed_json(run_key: bytes | None, kind: str, obj: dict[str, Any]) -> bytes:
+    """``obj`` as JSON bytes, with its HMAC under the run key when there is one."""
+    return json_bytes(mac_json(run_key, kind, obj) if run_key is not None else obj)
+
+
+def check_signature(run_key: bytes | None, kind: str, obj: object, key: str) -> None:
+    """With a run key, refuse (CorruptObjectError naming ``key``) an object not signed with it."""
+    if run_key is not None and not verify_json(run_key, kind, obj):
+        raise CorruptObjectError(
+            f"{kind} object {key!r} does not carry this run's signature (forged, or written by another launch "
+            "of the same run id); refusing it. Check who can write the bucket prefix (docs/security.md)"
+        )
+
+
+def write_abstention(io: CountingStore, me: ReadyMarker, reason: str, run_key: bytes | None = None) -> None:
     """Announce that ``me.rank`` will not contribute to ``me.round`` (why: ``reason``), so the others
     close the round without waiting for it, or fail at once if they cannot."""
     record = {"run_id": me.run_id, "round": me.round, "rank": me.rank, "reason": reason[:500]}
-    io.put(abstain_key(me.round, me.rank), json_bytes(record))
+    io.put(abstain_key(me.round, me.rank), signed_json(run_key, "abstain", record))
 
 
-def _abstention_error(io: CountingStore, me: ReadyMarker, ready: set[int], abstained: set[int],
+def _read_abstention(io: CountingStore, me: ReadyMarker, rank: int, run_key: bytes | None) -> str | None:
+    """The reason rank ``rank`` gave for abstaining, or None if its record is missing, foreign or forged."""
+    key = abstain_key(me.round, rank)
+    data = io.get_or_none(key)
+    try:
+        obj = json.loads(data.decode("utf-8")) if data is not None else None
+        check_signature(run_key, "abstain", obj, key)
+    except (ValueError, UnicodeDecodeError, CorruptObjectError):
+        return None
+    if not isinstance(obj, dict) or obj.get("run_id") != me.run_id or obj.get("round") != me.round:
+        return None
+    return " ".join(str(obj.get("reason", "?")).split())[:200]
+
+
+def _abstention_error(ready: set[int], me: ReadyMarker, reasons_by_rank: dict[int, str],
                       min_replicas: int) -> AbstainedError:
-    reasons: list[str] = []
-    for r in sorted(abstained):
-        data = io.get_or_none(abstain_key(me.round, r))
-        try:
-            reason = str(json.loads(data.decode("utf-8"))["reason"]) if data is not None else "?"
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            reason = "unreadable abstention record"
-        reasons.append(f"rank {r}: {' '.join(reason.split())[:200]}")
+    reasons = [f"rank {r}: {reason}" for r, reason in sorted(reasons_by_rank.items())]
     return AbstainedError(
         f"round {me.round}: only {len(ready)} of {me.world_size} replicas can contribute and min_replicas="
         f"{min_replicas}; abstained ({'; '.join(reasons)}). Fix the diverging replica (lower inner.lr, raise "
@@ -144,11 +183,11 @@ def _abstention_error(io: CountingStore, me: ReadyMarker, ready: set[int], absta
     )
 
 
-def read_quorum(io: CountingStore, *, run_id: str, round: int) -> Quorum | None:
+def read_quorum(io: CountingStore, *, run_id: str, round: int, run_key: bytes | None = None) -> Quorum | None:
     """The round's quorum, or ``None`` when no replica has written it yet."""
     key = quorum_key(round)
     data = io.get_or_none(key)
-    return None if data is None else Quorum.parse(data, key=key, run_id=run_id, round=round)
+    return None if data is None else Quorum.parse(data, key=key, run_id=run_id, round=round, run_key=run_key)
 
 
 def check_agreement(quorum: Quorum, me: ReadyMarker) -> None:
@@ -179,19 +218,20 @@ class QuorumWait:
     straggler_timeout_s: float
     deadline: float
     poll_interval_s: float
+    run_key: bytes | None = None  # verify ready markers, abstentions and the quorum with it
 
 
-def _try_create(io: CountingStore, me: ReadyMarker, ready: set[int]) -> None:
+def _try_create(io: CountingStore, me: ReadyMarker, ready: set[int], run_key: bytes | None) -> None:
     """Write quorum.json (create-only) from the markers of ``ready``; losing the race is fine."""
     keys = [ready_key(me.round, r) for r in sorted(ready)]
     blobs = io.get_many(keys, missing_ok=True)
     markers: dict[int, ReadyMarker] = {}
     for r, k in zip(sorted(ready), keys):
         if k in blobs:
-            markers[r] = ReadyMarker.from_json(json.loads(blobs[k].decode("utf-8")), key=k)
+            markers[r] = ReadyMarker.parse(blobs[k], key=k, run_key=run_key)
     if markers:
         q = Quorum(me.run_id, me.round, sorted(markers), markers, me.rank)
-        io.put_if_absent(quorum_key(me.round), json_bytes(q.to_json()))
+        io.put_if_absent(quorum_key(me.round), signed_json(run_key, "quorum", q.to_json()))
 
 
 def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
@@ -225,26 +265,33 @@ def wait_for_quorum(
     sleep_s, last_skip_check, last_read = min(_FIRST_POLL_S, p.poll_interval_s), started - 1.0, started
     entitled_since: float | None = None
     seen: set[int] = set()
+    reasons: dict[int, str] = {}  # verified abstentions: rank -> reason
     while True:
         listing = io.list(ready_prefix(me.round))
         ready = {r for r in ranks_in(listing) if 0 <= r < p.world_size}
-        abstained = {r for r in abstained_in(listing) if 0 <= r < p.world_size} - ready
+        for r in {r for r in abstained_in(listing) if 0 <= r < p.world_size} - ready - set(reasons):
+            reason = _read_abstention(io, me, r, p.run_key)
+            if reason is not None:
+                reasons[r] = reason
+        abstained = set(reasons) - ready
         if on_ready is not None:
             on_ready(ready)
         now = time.monotonic()
         accounted = len(ready) + len(abstained) >= p.world_size
-        if accounted and len(ready) < p.min_replicas and read_quorum(io, run_id=me.run_id, round=me.round) is None:
-            raise _abstention_error(io, me, ready, abstained, p.min_replicas)
+        if accounted and len(ready) < p.min_replicas and read_quorum(
+            io, run_id=me.run_id, round=me.round, run_key=p.run_key
+        ) is None:
+            raise _abstention_error(ready, me, {r: reasons[r] for r in abstained}, p.min_replicas)
         entitled = (accounted and len(ready) >= p.min_replicas) or (
             now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas
         )
         if entitled:
             entitled_since = now if entitled_since is None else entitled_since
             if me.rank == min(ready) or now - entitled_since >= grace_s:
-                _try_create(io, me, ready)
+                _try_create(io, me, ready, p.run_key)
         if entitled or now - last_read >= max(p.poll_interval_s, 0.5):  # others may have formed it without us
             last_read = now
-            q = read_quorum(io, run_id=me.run_id, round=me.round)
+            q = read_quorum(io, run_id=me.run_id, round=me.round, run_key=p.run_key)
             if q is not None:
                 return q
         if now >= p.deadline:

@@ -4,9 +4,9 @@
     ex = get_executor("local", retries=2)
     handles = ex.launch_replicas(4, "diloco_serverless.entrypoints.replica", ["--run-url", url])
     records = [h.to_json() for h in handles]            # -> run.json
-    # later, anywhere:
+    # later, anywhere (records come from run.json, which replicas can write: they are checked, not trusted):
     hs = [handle_from_json(r) for r in records]
-    executor_for_handle(hs[0]).poll(hs)
+    executor_for_handle(hs[0], run_url=url).poll(hs)
 
 Backends import their SDKs lazily, so ``import diloco_serverless.executors`` needs neither
 ``modal`` nor ``huggingface_hub``.

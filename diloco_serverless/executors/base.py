@@ -5,7 +5,9 @@ An executor starts ``python -m <entrypoint> <args...>`` once per rank with ``REP
 to find the replicas again is in the JSON-serialisable :class:`ReplicaHandle`, which the launcher
 records in the run's ``run.json``; ``diloco status/logs/cancel`` rebuild an executor from the handle's
 ``kind`` (see :func:`diloco_serverless.executors.executor_for_handle`) and never need the launching
-process. Credentials are never part of a handle.
+process. Credentials are never part of a handle, and a handle is never trusted: run.json is
+writable by every replica credential, so executors check what a handle says (see each
+``from_handle``) before acting on it.
 
 Failure: :meth:`ServerlessExecutor.collect` raises :class:`ReplicaFailedError` naming every failed or
 cancelled rank with its exit code or remote exception and the tail of its log; a timeout raises
@@ -194,11 +196,18 @@ class ServerlessExecutor(Protocol):
 
 class ExecutorFactory(Protocol):
     """An executor class as the registry uses it: build one from options, or rebuild one from a
-    handle stored in run.json (to poll, cancel or read logs of replicas another process launched)."""
+    handle stored in run.json (to poll, cancel or read logs of replicas another process launched).
+
+    ``from_handle`` treats the handle as untrusted (run.json is writable by every replica): no
+    setting that decides where credentials go, which files are read or written, or which
+    processes are signalled may be taken from it unchecked. ``run_url`` is the run as the caller
+    knows it (None when unknown)."""
 
     def __call__(self, **options: Any) -> ServerlessExecutor: ...
 
-    def from_handle(self, handle: ReplicaHandle, **options: Any) -> ServerlessExecutor: ...
+    def from_handle(
+        self, handle: ReplicaHandle, *, run_url: str | None = None, **options: Any
+    ) -> ServerlessExecutor: ...
 
 
 def timeout_seconds(timeout: float | timedelta | None) -> float | None:

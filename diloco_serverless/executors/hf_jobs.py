@@ -12,6 +12,12 @@ replica heals from the store's latest checkpoint. Stage mapping: SCHEDULING -> p
 running, COMPLETED -> succeeded, ERROR -> failed (with the Hub's status message), CANCELED ->
 cancelled, DELETED -> failed.
 
+Handles (``job_id``, ``namespace``, ``endpoint``, ...) are stored in run.json, which any replica
+credential can rewrite. The token is therefore only ever sent to the endpoint of *this* process
+(``endpoint=``, else ``HF_ENDPOINT``, else https://huggingface.co): :meth:`HFJobsExecutor.from_handle`
+refuses a handle that names another endpoint, and job ids and namespaces are checked to be plain
+names before they go into a request path.
+
 Images: the default image is a stock PyTorch image; ``install`` (default: this package at this
 version with its s3/gcs/hf extras) is pip-installed before the replica starts. Pass ``install=None``
 with an image that already contains the package.
@@ -66,6 +72,15 @@ def _import_hub() -> Any:
     return huggingface_hub
 
 
+def current_endpoint(hub: Any | None = None) -> str:
+    """The Hub endpoint this process talks to: ``HF_ENDPOINT`` (read now) or the library's default."""
+    hub = hub or _import_hub()
+    return str(os.environ.get("HF_ENDPOINT") or hub.constants.ENDPOINT).rstrip("/")
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
 def _label(value: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", value)[:63].strip("-") or "unnamed"
 
@@ -82,7 +97,7 @@ class HFJobsExecutor:
             storage settings (AWS_ENDPOINT_URL, AWS_REGION, ...) into the Jobs' plain environment.
         timeout: maximum Job duration, seconds or a string like "12h" (Jobs API semantics).
         namespace: user or org owning the Jobs (default: the token's user, via ``whoami``).
-        endpoint: Hub endpoint (default ``HF_ENDPOINT`` / https://huggingface.co).
+        endpoint: Hub endpoint (default ``HF_ENDPOINT`` / https://huggingface.co); the token is sent there.
         token: HF token (default ``HF_TOKEN`` or the token saved by ``hf auth login``).
         retries: re-runs of a failed Job (Jobs ``attempts = retries + 1``).
         install: pip requirement installed in the Job before the replica starts; None to skip.
@@ -122,17 +137,40 @@ class HFJobsExecutor:
         self._forwarded_env = (
             {k: os.environ[k] for k in STORAGE_CONFIG_ENV if k in os.environ} if forward_credentials else {}
         )
-        self._api = hub.HfApi(endpoint=endpoint, token=token)
+        self._api = hub.HfApi(endpoint=(endpoint or current_endpoint(hub)).rstrip("/"), token=token)
         self.endpoint = self._api.endpoint
         self._namespace = namespace
 
     @classmethod
-    def from_handle(cls, handle: ReplicaHandle, **options: Any) -> HFJobsExecutor:
-        """An executor for ``handle``'s endpoint and namespace (token from env or ``options``)."""
-        options.setdefault("endpoint", handle.data.get("endpoint"))
-        options.setdefault("namespace", handle.data.get("namespace"))
+    def from_handle(cls, handle: ReplicaHandle, *, run_url: str | None = None, **options: Any) -> HFJobsExecutor:
+        """An executor for ``handle``'s jobs: token and endpoint from ``options`` or this environment.
+
+        The handle comes from run.json, which any replica credential can rewrite, so its endpoint
+        is never used: a handle naming an endpoint other than the one in use is refused
+        (ExecutorUnavailable) before any request, so the token never goes there. Its namespace
+        (a plain name) is reused.
+        """
+        endpoint = str(options.get("endpoint") or current_endpoint()).rstrip("/")
+        stored = handle.data.get("endpoint")
+        if stored is not None and str(stored).rstrip("/") != endpoint:
+            raise ExecutorUnavailable(
+                f"hf-jobs executor: run.json's handle of rank {handle.rank} names endpoint {str(stored)!r}, but this "
+                f"process uses {endpoint!r}; refusing to send your HF token there (if you launched the run against "
+                "that endpoint and trust it, set HF_ENDPOINT to it)"
+            )
+        options["endpoint"] = endpoint
+        if handle.data.get("namespace") is not None:
+            where = f"rank {handle.rank}'s handle"
+            options.setdefault("namespace", _checked_name(handle.data["namespace"], "namespace", where))
         options.setdefault("forward_credentials", False)
         return cls(**options)
+
+    def _job_ref(self, handle: ReplicaHandle) -> tuple[str, str]:
+        """``(job_id, namespace)`` of ``handle``, both plain names (they go into request paths)."""
+        where = f"rank {handle.rank}'s handle"
+        job_id = _checked_name(handle.data.get("job_id"), "job_id", where)
+        ns = handle.data.get("namespace")
+        return job_id, _checked_name(ns, "namespace", where) if ns else self.namespace
 
     @staticmethod
     def _resolve_secrets(secrets: Sequence[str] | Mapping[str, str], forward: bool) -> dict[str, str]:
@@ -209,7 +247,7 @@ class HFJobsExecutor:
     def _state(self, handle: ReplicaHandle) -> ReplicaState:
         from huggingface_hub.errors import HfHubHTTPError
 
-        job_id, ns = handle.data["job_id"], handle.data.get("namespace") or self.namespace
+        job_id, ns = self._job_ref(handle)
         try:
             job = self._api.inspect_job(job_id=job_id, namespace=ns)
         except HfHubHTTPError as exc:
@@ -227,7 +265,7 @@ class HFJobsExecutor:
         if status is ReplicaStatus.FAILED and not reason:
             reason = f"job {job_id} ended in stage {stage}"
         exit_code = 0 if status is ReplicaStatus.SUCCEEDED else _exit_code(message)
-        detail = {"job_id": job_id, "stage": stage, "url": handle.data.get("url")}
+        detail = {"job_id": job_id, "stage": stage, "url": f"{self.endpoint}/jobs/{ns}/{job_id}"}
         return ReplicaState(rank=handle.rank, status=status, reason=reason, exit_code=exit_code, detail=detail)
 
     def collect(
@@ -238,16 +276,14 @@ class HFJobsExecutor:
 
     def logs(self, handle: ReplicaHandle, tail: int | None = 200) -> str:
         """The last ``tail`` lines of the Job's logs (``fetch_job_logs``; all if None)."""
-        lines = self._api.fetch_job_logs(
-            job_id=handle.data["job_id"], namespace=handle.data.get("namespace") or self.namespace, tail=tail
-        )
+        job_id, ns = self._job_ref(handle)
+        lines = self._api.fetch_job_logs(job_id=job_id, namespace=ns, tail=tail)
         return "\n".join(line.rstrip("\n") for line in lines)
 
     def follow_logs(self, handle: ReplicaHandle) -> Iterator[str]:
         """Stream the Job's log lines until it finishes."""
-        yield from self._api.fetch_job_logs(
-            job_id=handle.data["job_id"], namespace=handle.data.get("namespace") or self.namespace, follow=True
-        )
+        job_id, ns = self._job_ref(handle)
+        yield from self._api.fetch_job_logs(job_id=job_id, namespace=ns, follow=True)
 
     def cancel(self, handles: Sequence[ReplicaHandle]) -> None:
         """``cancel_job`` for every rank that is not finished; errors name the rank and job."""
@@ -255,9 +291,11 @@ class HFJobsExecutor:
         for h in handles:
             try:
                 if not self._state(h).terminal:
-                    self._api.cancel_job(job_id=h.data["job_id"], namespace=h.data.get("namespace") or self.namespace)
+                    job_id, ns = self._job_ref(h)
+                    self._api.cancel_job(job_id=job_id, namespace=ns)
             except Exception as exc:
-                errors.append(f"rank {h.rank} (job {h.data.get('job_id')}): {exc}")
+                why = str(exc).removeprefix("hf-jobs executor: ")
+                errors.append(f"rank {h.rank} (job {h.data.get('job_id')!r}): {why}")
         if errors:
             raise ExecutorError("hf-jobs executor: could not cancel " + "; ".join(errors))
 
@@ -265,3 +303,13 @@ class HFJobsExecutor:
 def _exit_code(message: str | None) -> int | None:
     match = re.search(r"exit(?:ed with)? code:?\s*(-?\d+)", message or "", re.IGNORECASE)
     return int(match.group(1)) if match else None
+
+
+def _checked_name(value: Any, field: str, where: str) -> str:
+    """``value`` if it is a plain Hub name (letters, digits, ``.``, ``_``, ``-``), else ExecutorError."""
+    if isinstance(value, str) and _NAME.match(value) and ".." not in value:
+        return value
+    raise ExecutorError(
+        f"hf-jobs executor: {where} has {field}={value!r}, not a plain name; refusing it "
+        "(run.json may have been tampered with)"
+    )

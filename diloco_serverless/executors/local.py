@@ -12,7 +12,14 @@ and it records its state in a JSON file next to the replica's log. Any process c
 * cancel it: SIGTERM to the group and the recorded process tree (SIGKILL after a grace period);
 * read its log: the file ``<run>/logs/rank-<r>.log`` for file stores, else a local cache folder.
 
-All of that is in the handle (PIDs, paths, host), which the launcher records in ``run.json``.
+The handle (PIDs, start time, the supervisor's command line, paths, host) is recorded in ``run.json``,
+which every replica credential can rewrite, so nothing in it is taken on trust:
+
+* the log and state paths are derived from the run URL and the rank by the rule ``launch_replicas``
+  uses (:func:`default_log_dir`, or the ``log_dir`` option); a handle naming other paths is refused;
+* a process is signalled only when its PID, its start time *and* its command line (``/proc``) match
+  the handle, and that command line is the supervisor of this rank writing this run's state file.
+
 Handles are only actionable on the host that launched them; elsewhere poll reports the state file.
 
 Failure: a replica that exhausts its retries is ``failed`` with its last exit code; a supervisor that
@@ -30,14 +37,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors._proc import (
     kill_tree,
+    open_no_follow,
     pid_alive,
+    proc_cmdline,
     proc_start_time,
     read_json,
+    same_process,
     tail_file,
     write_json_atomic,
 )
@@ -82,7 +92,9 @@ class LocalProcessExecutor:
     Args:
         retries: restarts allowed per replica after a non-zero exit (0 = never restart).
         log_dir: folder for ``rank-<r>.log`` and the supervisors' state files; default
-            :func:`default_log_dir` of the run URL found in the entrypoint args or env.
+            :func:`default_log_dir` of the run URL found in the entrypoint args or env. A run launched
+            with another ``log_dir`` is followed by passing the same ``log_dir`` to
+            ``executor_for_handle``: handles naming other paths are refused.
         python: interpreter for supervisors and replicas (default: this one).
         restart_delay_s: pause before restarting a crashed replica.
         cancel_grace_s: time between SIGTERM and SIGKILL on cancel.
@@ -110,11 +122,24 @@ class LocalProcessExecutor:
         self.cancel_grace_s = cancel_grace_s
         self.poll_interval_s = poll_interval_s
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        #: (rank, supervisor pid) -> (log dir, run URL) of the replicas this object launched
+        self._launched: dict[tuple[int, int], tuple[Path, str | None]] = {}
+        #: the run the handles belong to, when rebuilt by :meth:`from_handle` (trusted: the caller's)
+        self._run_url: str | None = None
 
     @classmethod
-    def from_handle(cls, handle: ReplicaHandle, **options: Any) -> LocalProcessExecutor:
-        """An executor able to poll/cancel/read ``handle`` (everything needed is in the handle)."""
-        return cls(**options)
+    def from_handle(
+        cls, handle: ReplicaHandle, *, run_url: str | None = None, **options: Any
+    ) -> LocalProcessExecutor:
+        """An executor able to poll/cancel/read the handles of the run at ``run_url``.
+
+        The handle's paths are checked against those derived from ``run_url`` (or ``log_dir``)
+        and its processes against ``/proc``. Without ``run_url``, paths can only be derived for a
+        replica whose supervisor still runs (from its verified command line).
+        """
+        ex = cls(**options)
+        ex._run_url = run_url
+        return ex
 
     # --- launch -----------------------------------------------------------------------------
     def launch_replicas(
@@ -129,21 +154,23 @@ class LocalProcessExecutor:
         If starting rank k fails, the ranks already started are cancelled and ExecutorError is raised.
         """
         check_replica_count(n_replicas, self.kind)
-        log_dir = self.log_dir or default_log_dir(run_url_from(env, entrypoint_args))
+        run_url = run_url_from(env, entrypoint_args)
+        log_dir = self.log_dir or default_log_dir(run_url)
         log_dir.mkdir(parents=True, exist_ok=True)
         cmd = [self.python, "-m", entrypoint, *map(str, entrypoint_args)]
         handles: list[ReplicaHandle] = []
         try:
             for rank in range(n_replicas):
-                handles.append(self._launch_one(rank, cmd, log_dir, env or {}))
+                handles.append(self._launch_one(rank, cmd, log_dir, run_url, env or {}))
         except OSError as exc:
             self.cancel(handles)
             raise ExecutorError(f"local executor: could not start rank {len(handles)}: {exc}") from exc
         return handles
 
-    def _launch_one(self, rank: int, cmd: list[str], log_dir: Path, env: Mapping[str, str]) -> ReplicaHandle:
-        log_path = log_dir / f"rank-{rank}.log"
-        state_path = log_dir / f"rank-{rank}.state.json"
+    def _launch_one(
+        self, rank: int, cmd: list[str], log_dir: Path, run_url: str | None, env: Mapping[str, str]
+    ) -> ReplicaHandle:
+        log_path, state_path = replica_paths(log_dir, rank)
         for stale in (state_path, _cancel_marker(state_path)):
             stale.unlink(missing_ok=True)
         sup_cmd = [
@@ -159,16 +186,80 @@ class LocalProcessExecutor:
                 start_new_session=True, close_fds=True,
             )
         self._children[proc.pid] = proc
+        self._launched[(rank, proc.pid)] = (log_dir, run_url)
         data = {
             "pid": proc.pid,
             "pgid": proc.pid,
             "start": proc_start_time(proc.pid),
+            "cmdline": sup_cmd,  # Popen returns after exec: /proc/<pid>/cmdline is this now
             "host": socket.gethostname(),
             "log_path": str(log_path),
             "state_path": str(state_path),
             "retries": self.retries,
         }
         return ReplicaHandle(kind=self.kind, rank=rank, data=data)
+
+    # --- checking a handle (run.json is writable by every replica: nothing in it is trusted) -------
+    def _trusted_origin(self, handle: ReplicaHandle) -> tuple[Path | None, str | None]:
+        """(log dir, run URL) of ``handle``'s run from what this process knows, not from the handle."""
+        launched = self._launched.get((handle.rank, _as_int(handle.data.get("pid")) or 0))
+        if launched is not None:
+            return self.log_dir or launched[0], launched[1]
+        if self.log_dir is not None:
+            return self.log_dir, self._run_url
+        if self._run_url is not None:
+            return default_log_dir(self._run_url), self._run_url
+        return None, None
+
+    def _checked_paths(self, handle: ReplicaHandle, live: _Supervisor | None = None) -> tuple[Path, Path]:
+        """The log and state paths of ``handle``'s rank, derived from its run; ExecutorError naming
+        the field when the handle records other ones."""
+        log_dir, _ = self._trusted_origin(handle)
+        if log_dir is None:
+            if live is None and _on_this_host(handle):
+                live = self._live_supervisor(handle)
+            if live is None or live.run_url is None:
+                raise ExecutorError(
+                    f"local executor: cannot check the log and state paths of rank {handle.rank}: the run URL is "
+                    "unknown here and its supervisor is not running; rebuild the executor with "
+                    "executor_for_handle(handle, run_url=RUN_URL)"
+                )
+            log_dir = default_log_dir(live.run_url)
+        log_path, state_path = replica_paths(log_dir, handle.rank)
+        for name, want in (("log_path", log_path), ("state_path", state_path)):
+            got = handle.data.get(name)
+            if got != str(want):
+                raise ExecutorError(
+                    f"local executor: rank {handle.rank}'s handle has {name}={got!r}, not {str(want)!r} as derived "
+                    "from the run; refusing it (run.json may have been tampered with); pass log_dir= if the run "
+                    "was launched with one"
+                )
+        return log_path, state_path
+
+    def _live_supervisor(self, handle: ReplicaHandle) -> _Supervisor | None:
+        """The running supervisor of ``handle``, identified by PID, start time and command line;
+        None when it is gone. ExecutorError naming the pid when the handle cannot be verified."""
+        d, rank = handle.data, handle.rank
+        pid, start = _as_int(d.get("pid")), d.get("start")
+        if pid is None or pid <= 0:
+            raise ExecutorError(f"local executor: rank {rank}'s handle has no valid pid ({d.get('pid')!r}); "
+                                "refusing it (run.json may have been tampered with)")
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise ExecutorError(
+                f"local executor: rank {rank}'s handle records no start time for pid {pid}, so the pid may name "
+                "another process now; refusing to signal it (stop the replica by hand if it is yours)"
+            )
+        if not same_process(pid, start):
+            return None
+        argv, recorded = proc_cmdline(pid), d.get("cmdline")
+        parsed = _parse_supervisor_argv(argv) if argv is not None and argv == recorded else None
+        if parsed is None or parsed[0] != str(rank):
+            raise ExecutorError(
+                f"local executor: pid {pid} is not the supervisor of rank {rank} recorded at launch (its command "
+                "line differs); refusing to signal it (run.json may have been tampered with)"
+            )
+        _, log, state, replica_cmd = parsed
+        return _Supervisor(pid, start, Path(log), Path(state), run_url_from(None, replica_cmd[3:]), replica_cmd)
 
     # --- observe ----------------------------------------------------------------------------
     def poll(self, handles: Sequence[ReplicaHandle]) -> list[ReplicaState]:
@@ -177,22 +268,24 @@ class LocalProcessExecutor:
         return [self._state(h) for h in handles]
 
     def _state(self, handle: ReplicaHandle) -> ReplicaState:
+        return self._state_at(handle, *self._checked_paths(handle))
+
+    def _state_at(self, handle: ReplicaHandle, log_path: Path, state_path: Path) -> ReplicaState:
         d = handle.data
-        state_path = Path(d["state_path"])
         st = read_json(state_path) or {}
         status = st.get("status", "pending")
-        detail = {"pid": d["pid"], "child_pid": st.get("child_pid"), "log_path": d["log_path"]}
+        detail = {"pid": d.get("pid"), "child_pid": st.get("child_pid"), "log_path": str(log_path)}
         common: dict[str, Any] = dict(rank=handle.rank, attempt=int(st.get("attempt", 0)), detail=detail)
         if status in ("succeeded", "failed", "cancelled"):
             return ReplicaState(status=ReplicaStatus(status), reason=st.get("reason"),
                                 exit_code=st.get("exit_code"), **common)
-        if d.get("host") != socket.gethostname() or pid_alive(int(d["pid"]), d.get("start")):
+        if not _on_this_host(handle) or _supervisor_runs(handle):
             live = ReplicaStatus.RUNNING if status == "running" else ReplicaStatus.PENDING
             return ReplicaState(status=live, reason=st.get("reason"), exit_code=st.get("exit_code"), **common)
         if _cancel_marker(state_path).exists():
             return ReplicaState(status=ReplicaStatus.CANCELLED, reason="cancelled", **common)
         reason = (f"supervisor process {d['pid']} exited without recording a result while the replica was "
-                  f"{status} (killed by hand or out of memory?); see {d['log_path']}")
+                  f"{status} (killed by hand or out of memory?); see {log_path}")
         return ReplicaState(status=ReplicaStatus.FAILED, reason=reason, exit_code=st.get("exit_code"), **common)
 
     def collect(
@@ -203,16 +296,17 @@ class LocalProcessExecutor:
 
     def logs(self, handle: ReplicaHandle, tail: int | None = 200) -> str:
         """The last ``tail`` lines of the replica's log file (all of it if None)."""
-        return tail_file(Path(handle.data["log_path"]), tail)
+        log_path, _ = self._checked_paths(handle)
+        return tail_file(log_path, tail)
 
     def follow_logs(self, handle: ReplicaHandle, poll_interval_s: float = 0.5) -> Iterator[str]:
         """Yield log lines as they are written, until the replica is terminal and the file is drained."""
-        path = Path(handle.data["log_path"])
+        path, state_path = self._checked_paths(handle)  # checked once: the supervisor may exit meanwhile
         pos = 0
         while True:
-            done = self._state(handle).terminal
+            done = self._state_at(handle, path, state_path).terminal
             try:
-                with open(path, "rb") as fh:
+                with open_no_follow(path) as fh:
                     fh.seek(pos)
                     chunk = fh.read()
             except FileNotFoundError:
@@ -228,7 +322,11 @@ class LocalProcessExecutor:
 
     # --- cancel -----------------------------------------------------------------------------
     def cancel(self, handles: Sequence[ReplicaHandle]) -> None:
-        """End every replica's process tree (SIGTERM, SIGKILL after ``cancel_grace_s``); idempotent."""
+        """End every replica's process tree (SIGTERM, SIGKILL after ``cancel_grace_s``); idempotent.
+
+        Only processes identified by PID, start time and command line are signalled; a rank whose
+        handle does not check out is left alone and named in the ExecutorError raised at the end.
+        """
         here = socket.gethostname()
         foreign = [h.rank for h in handles if h.data.get("host") != here]
         if foreign:
@@ -239,20 +337,39 @@ class LocalProcessExecutor:
         if not handles:
             return
         with ThreadPoolExecutor(max_workers=min(16, len(handles))) as pool:
-            list(pool.map(self._cancel_one, handles))
+            errors = [e for e in pool.map(self._try_cancel_one, handles) if e]
         self._reap()
+        if errors:
+            raise ExecutorError("local executor: could not cancel " + "; ".join(errors))
+
+    def _try_cancel_one(self, handle: ReplicaHandle) -> str | None:
+        try:
+            self._cancel_one(handle)
+        except ExecutorError as exc:
+            return f"rank {handle.rank}: {str(exc).removeprefix('local executor: ')}"
+        return None
 
     def _cancel_one(self, handle: ReplicaHandle) -> None:
-        d = handle.data
-        state_path = Path(d["state_path"])
+        live = self._live_supervisor(handle)
+        log_dir, run_url = self._trusted_origin(handle)
+        if live is None and log_dir is None:
+            return  # nothing of it runs, and without the run URL no path can be checked: touch nothing
+        log_path, state_path = self._checked_paths(handle, live)
+        if live is not None and (live.log_path, live.state_path) != (log_path, state_path):
+            raise ExecutorError(
+                f"local executor: pid {live.pid} supervises {live.state_path}, not rank {handle.rank}'s "
+                f"{state_path} of this run; refusing to signal it (run.json may have been tampered with)"
+            )
         st = read_json(state_path) or {}
         if st.get("status") in ("succeeded", "failed", "cancelled"):
             return
         _cancel_marker(state_path).touch()
-        roots = [(int(d["pid"]), d.get("start"))]
-        if st.get("child_pid"):
-            roots.append((int(st["child_pid"]), st.get("child_start")))
-        kill_tree(roots, int(d["pgid"]), self.cancel_grace_s)
+        if live is not None:
+            kill_tree([(live.pid, live.start)], live.pid, self.cancel_grace_s)
+        else:
+            orphan = _orphan_replica(handle, st, run_url)
+            if orphan is not None:
+                kill_tree([orphan], int(handle.data["pid"]), self.cancel_grace_s)
         self._reap()
         st = read_json(state_path) or {}
         if st.get("status") not in ("succeeded", "failed", "cancelled"):
@@ -267,3 +384,69 @@ class LocalProcessExecutor:
 
 def _cancel_marker(state_path: Path) -> Path:
     return state_path.with_name(state_path.name.replace(".state.json", ".cancel"))
+
+
+def replica_paths(log_dir: Path, rank: int) -> tuple[Path, Path]:
+    """``(log, state)`` file of ``rank`` in ``log_dir``: where launch creates them, and the only
+    paths a handle of that rank may name."""
+    return log_dir / f"rank-{rank}.log", log_dir / f"rank-{rank}.state.json"
+
+
+class _Supervisor(NamedTuple):
+    """A running supervisor, identified by PID + start time + command line (from ``/proc``)."""
+
+    pid: int
+    start: int
+    log_path: Path
+    state_path: Path
+    run_url: str | None
+    replica_cmd: list[str]
+
+
+def _parse_supervisor_argv(argv: Sequence[str]) -> tuple[str, str, str, list[str]] | None:
+    """``(rank, log, state, replica command)`` of a supervisor command line as ``_launch_one``
+    builds it (``python -m <SUPERVISOR_MODULE> --opt value ... -- <replica command>``), else None."""
+    if len(argv) < 3 or list(argv[1:3]) != ["-m", SUPERVISOR_MODULE] or "--" not in argv:
+        return None
+    split = list(argv).index("--")
+    opts, replica_cmd = list(argv[3:split]), list(argv[split + 1 :])
+    if len(opts) % 2 or len(replica_cmd) < 3 or replica_cmd[1] != "-m":
+        return None
+    values = dict(zip(opts[::2], opts[1::2]))
+    if not all(isinstance(values.get(k), str) for k in ("--rank", "--log", "--state")):
+        return None
+    return values["--rank"], values["--log"], values["--state"], replica_cmd
+
+
+def _orphan_replica(handle: ReplicaHandle, state: Mapping[str, Any], run_url: str | None) -> tuple[int, int] | None:
+    """``(pid, start)`` of the replica a vanished supervisor left running, if it is verifiably this
+    run's: same start time as recorded, the command line recorded at launch, naming ``run_url``."""
+    pid, start = _as_int(state.get("child_pid")), state.get("child_start")
+    recorded = _parse_supervisor_argv(handle.data.get("cmdline") or [])
+    if pid is None or not isinstance(start, int) or recorded is None or run_url is None:
+        return None
+    replica_cmd = recorded[3]
+    if run_url_from(None, replica_cmd[3:]) != run_url or not same_process(pid, start):
+        return None
+    return (pid, start) if proc_cmdline(pid) == replica_cmd else None
+
+
+def _supervisor_runs(handle: ReplicaHandle) -> bool:
+    """Whether the handle's supervisor runs (PID + start time; a bare PID where no start is known)."""
+    pid, start = _as_int(handle.data.get("pid")), handle.data.get("start")
+    if pid is None:
+        return False
+    return same_process(pid, start) if isinstance(start, int) else pid_alive(pid)
+
+
+def _on_this_host(handle: ReplicaHandle) -> bool:
+    return handle.data.get("host") == socket.gethostname()
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

@@ -39,7 +39,10 @@ from typing import Any
 from packaging.requirements import Requirement
 
 from diloco_serverless import __version__
-from diloco_serverless.config import tomllib  # the stdlib module, or tomli on 3.10
+from diloco_serverless.config import (
+    RUN_KEY_ENV,
+    tomllib,  # the stdlib module, or tomli on 3.10
+)
 from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors._remote import run_replica_process
 from diloco_serverless.executors.base import (
@@ -63,6 +66,7 @@ MODAL_GPUS = ("T4", "L4", "A10", "A10G", "A100", "A100-40GB", "A100-80GB", "L40S
               "B200", "B200+")
 MAX_TIMEOUT_S = 24 * 3600
 MAX_RETRIES = 10
+_CALL_ID = re.compile(r"^fc-[A-Za-z0-9]{1,64}$")
 
 
 def import_modal() -> Any:
@@ -277,9 +281,19 @@ class ModalExecutor:
         self.poll_interval_s = poll_interval_s
 
     @classmethod
-    def from_handle(cls, handle: ReplicaHandle, **options: Any) -> ModalExecutor:
-        """An executor able to poll/cancel/read ``handle`` (credentials from the environment)."""
-        options.setdefault("gpu", handle.data.get("gpu"))
+    def from_handle(cls, handle: ReplicaHandle, *, run_url: str | None = None, **options: Any) -> ModalExecutor:
+        """An executor able to poll/cancel/read ``handle`` (credentials from the environment).
+
+        The handle comes from run.json, which any replica credential can rewrite. Where Modal
+        credentials go (server, profile, environment) comes only from this process's Modal config
+        and ``options``; from the handle only the GPU (informational, ignored unless valid) and,
+        per call, a well-formed ``function_call_id`` are used.
+        """
+        gpu = handle.data.get("gpu")
+        try:
+            options.setdefault("gpu", normalize_gpu(gpu) if isinstance(gpu, str) else None)
+        except ExecutorUnavailable:
+            options.setdefault("gpu", None)
         return cls(**options)
 
     # --- launch -----------------------------------------------------------------------------
@@ -304,6 +318,10 @@ class ModalExecutor:
         """Spawn one call of ``run_replica`` per rank in a detached App (or the deployed one)."""
         check_replica_count(n_replicas, self.kind)
         plain, dropped = split_secret_env(env)
+        if RUN_KEY_ENV in dropped:
+            # The run key is made for this run alone and must reach every replica: it travels in the
+            # call's inputs (Modal keeps those with the call, never in an image, a log or the store).
+            plain[RUN_KEY_ENV] = dropped.pop(RUN_KEY_ENV)
         if dropped:
             logger.warning("modal executor: not sending credential variable(s) %s to Modal; put them in a Modal "
                            "Secret and pass its name in secrets=[...]", sorted(dropped))
@@ -339,8 +357,17 @@ class ModalExecutor:
         return calls
 
     # --- observe ----------------------------------------------------------------------------
+    def _call_id(self, handle: ReplicaHandle) -> str:
+        call_id = handle.data.get("function_call_id")
+        if not isinstance(call_id, str) or not _CALL_ID.match(call_id):
+            raise ExecutorError(
+                f"modal executor: rank {handle.rank}'s handle has function_call_id={call_id!r}, not a Modal call id "
+                "(fc-...); refusing it (run.json may have been tampered with)"
+            )
+        return call_id
+
     def _call(self, handle: ReplicaHandle) -> Any:
-        return self._modal.FunctionCall.from_id(handle.data["function_call_id"])
+        return self._modal.FunctionCall.from_id(self._call_id(handle))
 
     def poll(self, handles: Sequence[ReplicaHandle]) -> list[ReplicaState]:
         """``FunctionCall.get(timeout=0)`` per rank, with Modal's outcomes mapped to states."""
@@ -348,7 +375,7 @@ class ModalExecutor:
 
     def _state(self, handle: ReplicaHandle) -> ReplicaState:
         exc_mod = self._modal.exception
-        rank, detail = handle.rank, {"function_call_id": handle.data["function_call_id"]}
+        rank, detail = handle.rank, {"function_call_id": self._call_id(handle)}
 
         def state(status: ReplicaStatus, reason: str | None = None, code: int | None = None) -> ReplicaState:
             return ReplicaState(rank=rank, status=status, reason=reason, exit_code=code, detail=detail)

@@ -3,7 +3,7 @@ handle to a :class:`~diloco_serverless.executors.base.ServerlessExecutor`.
 
     ex = get_executor("local", retries=2)
     ex = build_executor("modal", "H100", {"timeout_s": 3600})    # LaunchError naming a bad option
-    ex = executor_for_handle(run_record.launch["handles"][0])      # poll/cancel/logs of a stored run
+    ex = executor_for_handle(run_record.launch["handles"][0], run_url=url)  # poll/cancel/logs of a stored run
 
 Backends are imported on first use, so this module needs neither ``modal`` nor ``huggingface_hub``.
 To add an executor, implement the Protocol in a module of this package and add one line to
@@ -71,18 +71,21 @@ def executor_options(cls: ExecutorFactory) -> list[str]:
     return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def executor_from_launch(launch: Mapping[str, Any]) -> tuple[ServerlessExecutor | None, str | None]:
+def executor_from_launch(
+    launch: Mapping[str, Any], run_url: str | None = None
+) -> tuple[ServerlessExecutor | None, str | None]:
     """Rebuild the executor recorded in run.json: (executor, None) or (None, why not).
 
-    With handles, ``executors.executor_for_handle`` reuses backend settings stored in the first
-    handle (HF endpoint, namespace, ...); credentials come from this process's environment.
+    ``run_url`` is the run's URL as the caller knows it (not as run.json says): the local executor
+    derives its log and state paths from it. With handles, see :func:`executor_for_handle`;
+    run.json is writable by every replica, so nothing in it decides where credentials go.
     """
     handles = list(launch.get("handles") or [])
     kind = str(launch.get("executor", ""))
     try:
         if handles:
             try:
-                return executor_for_handle(handles[0]), None
+                return executor_for_handle(handles[0], run_url=run_url), None
             except _BUILD_ERRORS as e:
                 raise LaunchError(one_line(str(e)) or f"cannot rebuild the {kind} executor") from None
         return build_executor(kind, launch.get("gpu"), {}), None
@@ -121,11 +124,16 @@ def get_executor(kind: str, **options: Any) -> ServerlessExecutor:
     return executor_class(kind)(**options)
 
 
-def executor_for_handle(handle: ReplicaHandle | Mapping[str, Any] | str, **options: Any) -> ServerlessExecutor:
+def executor_for_handle(
+    handle: ReplicaHandle | Mapping[str, Any] | str, *, run_url: str | None = None, **options: Any
+) -> ServerlessExecutor:
     """An executor that can poll/cancel/read logs of ``handle`` (e.g. loaded from ``run.json``).
 
-    Backend settings stored in the handle (HF endpoint and namespace, ...) are reused; credentials
-    come from the environment (or ``options``), never from the handle.
+    A handle is untrusted input (any replica credential can rewrite run.json): credentials come
+    from the environment (or ``options``), and so does every setting that decides where they are
+    sent (the HF endpoint is ``HF_ENDPOINT`` or the default; a handle naming another one is
+    refused). Harmless settings such as the HF namespace are reused. ``run_url`` is the run as
+    the caller knows it; the local executor derives log and state paths from it.
     """
     h = handle_from_json(handle)
-    return executor_class(h.kind).from_handle(h, **options)
+    return executor_class(h.kind).from_handle(h, run_url=run_url, **options)

@@ -21,6 +21,7 @@ naming the rank and reason; :meth:`Run.wait` with ``max_usd`` cancels the run an
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -33,8 +34,8 @@ from diloco_serverless.errors import DilocoError, LaunchError, one_line
 from diloco_serverless.executors.base import ServerlessExecutor
 from diloco_serverless.executors.registry import executor_from_launch, executor_kind
 from diloco_serverless.launcher import pricing
-from diloco_serverless.launcher.plot import curves, plot_losses
-from diloco_serverless.launcher.preflight import check_launch, resolve_config
+from diloco_serverless.launcher.plot import as_number, curves, plot_losses
+from diloco_serverless.launcher.preflight import check_launch, check_max_usd, resolve_config
 from diloco_serverless.launcher.replicas import (
     executor_cancel,
     executor_logs,
@@ -51,6 +52,7 @@ from diloco_serverless.launcher.status import (
     build_replica,
     run_state,
 )
+from diloco_serverless.run.integrity import load_local_key, new_run_key, save_local_key
 from diloco_serverless.run.layout import (
     FINAL_PREFIX,
     METRICS_PREFIX,
@@ -67,6 +69,7 @@ __all__ = ["launch", "Run", "LaunchError", "RunFailed", "BudgetExceeded"]
 #: A running replica whose heartbeat is older than this (or than 3 rounds' wall time, when rounds
 #: are slower) is shown as ``stale``: heartbeats are written once per round.
 STALE_AFTER_S = 300.0
+_METRICS_RANK = re.compile(r"^metrics/rank-(\d{1,6})/")
 
 
 class RunFailed(DilocoError, RuntimeError):
@@ -88,9 +91,10 @@ class Run:
     """
 
     def __init__(self, store: ObjectStore, record: RunRecord, executor: ServerlessExecutor | None = None,
-                 executor_error: str | None = None) -> None:
+                 executor_error: str | None = None, run_key: bytes | None = None) -> None:
         self._store = store
         self.record = record
+        self._run_key = run_key  # verifies run.json when re-read; None: this machine did not launch it
         self._executor = executor
         self._executor_error = executor_error
         self._metrics_cache: dict[str, dict[str, Any]] = {}
@@ -111,8 +115,9 @@ class Run:
 
     @property
     def handles(self) -> list[dict[str, Any]]:
-        """Executor handles recorded in run.json (empty before launch)."""
-        return list((self.record.launch or {}).get("handles", []))
+        """Executor handles recorded in run.json (empty before launch; JSON objects only)."""
+        handles = (self.record.launch or {}).get("handles")
+        return [h for h in handles if isinstance(h, dict)] if isinstance(handles, list) else []
 
     @property
     def executor_kind(self) -> str | None:
@@ -134,16 +139,23 @@ class Run:
         (e.g. a Modal run looked at from a laptop without ``modal``), status falls back to
         heartbeats and :meth:`cancel` raises a LaunchError saying what to install.
         """
-        store, record = load_run(url, storage_options)
+        store = ObjectStore(url, storage_options)
+        run_key = load_local_key(store.url)
+        store, record = load_run(store, key=run_key)
         error = None
         if executor is None and record.launch:
-            executor, error = executor_from_launch(record.launch)
-        return cls(store, record, executor, error)
+            executor, error = executor_from_launch(record.launch, run_url=store.url)
+        return cls(store, record, executor, error, run_key=run_key)
+
+    @property
+    def verified(self) -> bool:
+        """True when run.json was checked against the run key (this machine launched the run)."""
+        return self._run_key is not None
 
     # ------------------------------------------------------------------ reading
     def refresh(self) -> None:
         """Re-read run.json (the launch record may have changed)."""
-        self._store, self.record = load_run(self._store)
+        self._store, self.record = load_run(self._store, key=self._run_key)
 
     def metrics(self) -> dict[int, list[dict[str, Any]]]:
         """Every metrics record, grouped by rank, each list sorted by round.
@@ -162,8 +174,9 @@ class Run:
                 self._metrics_cache[key] = rec
         out: dict[int, list[dict[str, Any]]] = {}
         for key in sorted(self._metrics_cache):
-            rec = self._metrics_cache[key]
-            out.setdefault(int(rec.get("rank", -1)), []).append(rec)
+            rank = _METRICS_RANK.search(key)  # the key says whose record it is, not the record's body
+            if rank is not None:
+                out.setdefault(int(rank.group(1)), []).append(self._metrics_cache[key])
         return out
 
     def latest_metrics(self, rank: int = 0) -> dict[str, Any] | None:
@@ -186,7 +199,7 @@ class Run:
         now = time.time() if now is None else now
         metrics = self.metrics() if with_metrics else {}
         train, eval_curve = curves(metrics)
-        walls = [float(recs[-1].get("wall_s") or 0.0) for recs in metrics.values() if recs]
+        walls = [as_number(recs[-1].get("wall_s")) or 0.0 for recs in metrics.values() if recs]
         stale_after_s = max([STALE_AFTER_S, *(3.0 * w for w in walls)])
         members = {r: _outer(hb.to_json_dict(), self.config.exchange.fragments, train.get(r))
                    for r, hb in read_members(self._store).items()}
@@ -257,8 +270,11 @@ class Run:
 
         Raises RunFailed naming every failed rank (with the executor's reason), BudgetExceeded
         after cancelling the run when the next poll interval could cross ``max_usd``, and
-        TimeoutError (the run keeps going) after ``timeout_s``.
+        TimeoutError (the run keeps going) after ``timeout_s``. ``max_usd`` must be a finite
+        positive number (LaunchError otherwise, before anything is polled).
         """
+        if max_usd is not None:
+            max_usd = check_max_usd(max_usd, "max_usd")  # NaN, inf or <= 0 would disable the guard
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         price = self.usd_per_replica_hour
         if max_usd is not None and price is None:
@@ -339,7 +355,8 @@ def launch(config: RunConfig | str | Path | None = None, executor: ServerlessExe
            run_id: str | None = None, gpu: str | None = None,
            store_from_terraform: str | Path | None = None,
            executor_options: dict[str, Any] | None = None,
-           storage_options: dict[str, Any] | None = None) -> Run:
+           storage_options: dict[str, Any] | None = None,
+           trust_remote_code: bool = False, overwrite: bool = False) -> Run:
     """Validate, create the run in the store, start its replicas, record their handles.
 
     ``config`` is a RunConfig, a TOML path, or None for the defaults; ``overrides`` are
@@ -350,19 +367,30 @@ def launch(config: RunConfig | str | Path | None = None, executor: ServerlessExe
     ``gpu``, or a ready ServerlessExecutor. ``store_from_terraform`` names a Terraform directory
     (or saved ``terraform output -json`` file) whose ``exchange_url`` becomes the store.
 
+    A fresh run key signs run.json and reaches the replicas out of band (docs/security.md); this
+    machine keeps a copy so that :meth:`Run.attach` here can verify the run. ``trust_remote_code``
+    confirms a config's ``model.trust_remote_code``; ``overwrite`` deletes what an earlier run left
+    in the run folder (otherwise such a folder is refused).
+
     Raises LaunchError before anything is created when any input is wrong.
     """
     cfg = resolve_config(config, overrides, replicas=replicas, store=store, run_id=run_id,
                          store_from_terraform=store_from_terraform)
     plan = check_launch(cfg, executor, gpu=gpu, executor_options=executor_options,
-                        storage_options=storage_options)
-    run_store, record = create_run(plan.root, cfg)
+                        storage_options=storage_options, trust_remote_code=trust_remote_code, overwrite=overwrite)
+    if plan.leftovers:
+        plan.root.delete(cfg.run_id, recursive=True)
+    key_hex = new_run_key()
+    key = bytes.fromhex(key_hex)
+    run_store, record = create_run(plan.root, cfg, key=key)
+    save_local_key(run_store.url, key_hex)
     kind = executor_kind(plan.executor, plan.kind)
     try:
-        handles = launch_replicas(plan.executor, cfg.replicas, run_store.url)
+        handles = launch_replicas(plan.executor, cfg.replicas, run_store.url, run_key=key_hex,
+                                  trust_remote_code=trust_remote_code)
     except Exception as e:
-        record_launch(run_store, kind, [], gpu=plan.gpu, error=one_line(str(e))[:500])
+        record_launch(run_store, kind, [], gpu=plan.gpu, error=one_line(str(e))[:500], key=key)
         raise LaunchError(f"launching replicas of {run_store.url} failed: {one_line(str(e))}") from e
     record = record_launch(run_store, kind, handles, gpu=plan.gpu, replicas=cfg.replicas,
-                           usd_per_replica_hour=_price_of(kind, plan.gpu, plan.executor))
-    return Run(run_store, record, plan.executor)
+                           usd_per_replica_hour=_price_of(kind, plan.gpu, plan.executor), key=key)
+    return Run(run_store, record, plan.executor, run_key=key)

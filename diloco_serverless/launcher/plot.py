@@ -8,12 +8,16 @@ Input is what replicas write to ``<run>/metrics/rank-<r>/<round>.json``: one JSO
 rank per round. Keys are read tolerantly (see :func:`train_loss_of` / :func:`eval_loss_of`) so
 the plot survives additions to the metrics record.
 
+Metrics come from the bucket: a value of the wrong type is left out of the curves (never raises),
+and :func:`metrics_notes` names it.
+
 Failure: a run with no metrics raises ``ValueError("... has no metrics yet ...")``; a missing
 matplotlib raises ``ImportError`` naming the ``plot`` extra.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,11 +32,21 @@ _EVAL_KEYS = ("eval_loss", "eval/loss", "val_loss")
 Metrics = Mapping[int, Sequence[Mapping[str, Any]]]
 
 
+def as_number(value: Any) -> float | None:
+    """``value`` as a float when it is a JSON number that fits one (not a bool, not a 400-digit int)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
 def _first(record: Mapping[str, Any], keys: Sequence[str]) -> float | None:
     for key in keys:
-        value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        value = as_number(record.get(key))
+        if value is not None:
+            return value
     return None
 
 
@@ -52,9 +66,41 @@ def eval_loss_of(record: Mapping[str, Any]) -> float | None:
 
 def _x_of(record: Mapping[str, Any], index: int) -> float:
     for key in ("round", "step"):
-        if isinstance(record.get(key), (int, float)):
-            return float(record[key])
+        value = as_number(record.get(key))
+        if value is not None and math.isfinite(value):
+            return value
     return float(index)
+
+
+#: Values replicas write for non-finite losses (JSON has no NaN): a diverged loss, not a bad field.
+_NONFINITE_TEXT = frozenset({"nan", "inf", "-inf"})
+#: Most notes :func:`metrics_notes` returns; the rest are counted in one last line.
+MAX_NOTES = 10
+
+
+def metrics_notes(metrics: Metrics) -> list[str]:
+    """One line per metrics field that is present but unusable (not a number, a round that is not
+    an integer), e.g. ``rank 2: metrics field 'loss' of round 3 is not a number``; such values are
+    left out of the curves. Metrics come from the bucket, so nothing here trusts their types."""
+    notes: list[str] = []
+    for rank, records in sorted(metrics.items()):
+        for rec in records:
+            if not isinstance(rec, Mapping):
+                continue
+            rnd = rec.get("round")
+            ok_round = isinstance(rnd, int) and not isinstance(rnd, bool) and 0 <= rnd < 10**8
+            where = f"of round {rnd}" if ok_round else "of a record"
+            if "round" in rec and not ok_round:
+                notes.append(f"rank {rank}: metrics field 'round' is not an integer")
+            for key in dict.fromkeys((*_PLOT_KEYS, *_TRAIN_KEYS, *_EVAL_KEYS)):
+                value = rec.get(key)
+                if value is None or (isinstance(value, str) and value in _NONFINITE_TEXT):
+                    continue
+                if as_number(value) is None:
+                    notes.append(f"rank {rank}: metrics field '{key}' {where} is not a number")
+    if len(notes) > MAX_NOTES:
+        notes[MAX_NOTES - 1:] = [f"... and {len(notes) - MAX_NOTES + 1} more unusable metrics fields"]
+    return notes
 
 
 def curves(metrics: Metrics, *, train_keys: Sequence[str] = _TRAIN_KEYS
@@ -109,7 +155,7 @@ def plot_losses(metrics: Metrics, out: str | Path, *, title: str = "") -> Path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
         ax.set_ylabel("LM cross-entropy" if any("lm_ce" in r for rs in metrics.values() for r in rs) else "loss")
-        ax.set_title(f"DiLoCo {title}".strip())
+        ax.set_title(f"DiLoCo {_plain_title(title)}".strip())
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         path = Path(out)
@@ -119,3 +165,8 @@ def plot_losses(metrics: Metrics, out: str | Path, *, title: str = "") -> Path:
     finally:
         plt.close(fig)
     return path
+
+
+def _plain_title(title: str) -> str:
+    """``title`` as matplotlib should draw it: no mathtext (``$``), no control characters."""
+    return "".join(c if c.isprintable() else "?" for c in str(title)).replace("$", r"\$")[:120]

@@ -1,7 +1,9 @@
 """Checks ``diloco launch`` runs before it creates a run or starts (and bills) any replica.
 
 In order, cheapest first: the config and overrides, ``--replicas``, the executor kind and GPU type,
-whether the store is reachable from where the replicas run, the executor's SDK and tokens (its
+whether the store is reachable from where the replicas run, for local replicas whether this machine
+can hold that many (4 per usable core and ~512 MiB of available memory each; ``-x oversubscribe=true``
+skips the check), the executor's SDK and tokens (its
 constructor checks them), a probe object written, read back and deleted in the store, and that the
 run id is free. Each failure is a :class:`LaunchError` whose message is one line naming the bad
 value and the fix; nothing has been created when it is raised (the probe object is removed).
@@ -9,13 +11,15 @@ value and the fix; nothing has been created when it is raised (the probe object 
 
 from __future__ import annotations
 
+import math
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_serverless.config import RunConfig, tomllib
+from diloco_serverless.config import RunConfig, find_secret, tomllib
 from diloco_serverless.errors import ConfigError, LaunchError, StoreError, one_line
 from diloco_serverless.executors.base import ExecutorUnavailable, ServerlessExecutor
 from diloco_serverless.executors.modal import normalize_gpu
@@ -31,6 +35,15 @@ from diloco_serverless.store.objectstore import ObjectStore
 
 PROBE_PREFIX = ".diloco-probe"
 
+#: Local replicas per usable CPU core: replicas mostly wait on the store, but past this the
+#: machine thrashes and rounds time out. Override with ``-x oversubscribe=true``.
+LOCAL_REPLICAS_PER_CORE = 4
+#: Memory one local replica needs (torch + the tiny model, its reference copy and AdamW: measured
+#: at ~460 MiB peak RSS for the tiny model's forward and backward).
+LOCAL_REPLICA_MEMORY_BYTES = 512 * 2**20
+#: The executor option that skips the local capacity check (``-x oversubscribe=true``).
+OVERSUBSCRIBE_OPTION = "oversubscribe"
+
 
 @dataclass
 class LaunchPlan:
@@ -40,6 +53,7 @@ class LaunchPlan:
     executor: ServerlessExecutor
     kind: str
     gpu: str | None
+    leftovers: int = 0  # objects already in the run folder (only with overwrite)
 
 
 def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[str], *,
@@ -83,7 +97,9 @@ def parse_options(items: Sequence[str]) -> dict[str, Any]:
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise LaunchError(f"--executor-opt {item!r} must look like KEY=VALUE, e.g. -x local_source=true")
+            kind = find_secret(item)
+            shown = repr(item) if kind is None else f"<a value that looks like {kind}, not shown>"
+            raise LaunchError(f"--executor-opt {shown} must look like KEY=VALUE, e.g. -x local_source=true")
         if text.strip().lower() == "none":
             out[key.strip()] = None
             continue
@@ -92,6 +108,78 @@ def parse_options(items: Sequence[str]) -> dict[str, Any]:
         except tomllib.TOMLDecodeError:
             out[key.strip()] = text.strip()
     return out
+
+
+def check_max_usd(max_usd: float, name: str = "max_usd") -> float:
+    """The budget as given, or LaunchError naming ``name`` (the flag or argument): it must be a
+    finite number of US dollars above zero; NaN, infinity, zero or less would disable the guard."""
+    example = f"{name} 20" if name.startswith("--") else f"{name}=20"
+    if isinstance(max_usd, bool) or not isinstance(max_usd, (int, float)):
+        raise LaunchError(f"{name} must be a number of US dollars, got {type(max_usd).__name__}; e.g. {example}")
+    if not math.isfinite(max_usd) or max_usd <= 0:
+        raise LaunchError(f"{name} must be positive and finite, in US dollars (got {max_usd}); e.g. {example}")
+    return float(max_usd)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new processes (Linux ``MemAvailable``), or None when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def local_replica_limit() -> tuple[int, str]:
+    """(most local replicas this machine holds, why): LOCAL_REPLICAS_PER_CORE per usable core, and no
+    more than the available memory holds at LOCAL_REPLICA_MEMORY_BYTES each."""
+    cores = usable_cores()
+    limit = LOCAL_REPLICAS_PER_CORE * cores
+    cores_hold = f"{cores} usable CPU cores hold" if cores != 1 else "1 usable CPU core holds"
+    why = f"{cores_hold} at most {limit} ({LOCAL_REPLICAS_PER_CORE} per core)"
+    memory = available_memory()
+    if memory is not None:
+        by_memory = max(1, memory // LOCAL_REPLICA_MEMORY_BYTES)
+        if by_memory < limit:
+            limit = by_memory
+            why = (f"{memory / 2**30:.1f} GiB of available memory holds at most {limit} "
+                   f"(~{LOCAL_REPLICA_MEMORY_BYTES // 2**20} MiB each)")
+    return limit, why
+
+
+def check_local_capacity(replicas: int, *, oversubscribe: bool = False) -> None:
+    """LaunchError when ``replicas`` local processes exceed what this machine holds (see
+    :func:`local_replica_limit`), unless ``oversubscribe``."""
+    if oversubscribe:
+        return
+    limit, why = local_replica_limit()
+    if replicas > limit:
+        raise LaunchError(
+            f"--replicas {replicas} is more local replicas than this machine holds: {why}; lower --replicas, "
+            f"run them elsewhere (--executor modal or hf-jobs), or pass -x {OVERSUBSCRIBE_OPTION}=true to launch anyway"
+        )
+
+
+def _oversubscribe(options: dict[str, Any]) -> bool:
+    """Pop the ``oversubscribe`` executor option (a preflight setting, not the executor's)."""
+    value = options.pop(OVERSUBSCRIBE_OPTION, False)
+    if not isinstance(value, bool):
+        raise LaunchError(f"-x {OVERSUBSCRIBE_OPTION} must be true or false, got {value!r}")
+    return value
 
 
 def check_executor_kind(kind: str, gpu: str | None) -> str | None:
@@ -157,23 +245,48 @@ def probe_store(root: ObjectStore) -> None:
         raise LaunchError(f"cannot use store {root.url}: {one_line(str(e))}") from None
 
 
-def check_run_free(root: ObjectStore, run_id: str) -> None:
-    if root.exists(f"{run_id}/{RUN_JSON}"):
+def check_run_free(root: ObjectStore, run_id: str, *, overwrite: bool = False) -> int:
+    """Refuse a run folder that already holds objects (a run, or an earlier run's leftovers that would
+    otherwise be adopted: its rounds, checkpoints, even its ``final/``). With ``overwrite`` the
+    leftovers are allowed (the launcher deletes them); returns how many objects there are."""
+    if root.exists(f"{run_id}/{RUN_JSON}") and not overwrite:
         raise LaunchError(f"run {root.url}/{run_id} already exists; pick another --run-id or omit it "
                           "for a fresh one")
+    leftovers = len(root.list(f"{run_id}/"))
+    if leftovers and not overwrite:
+        raise LaunchError(
+            f"{root.url}/{run_id} already holds {leftovers} objects of an earlier run (no run.json); a new run "
+            "there would adopt them. Pick another --run-id, or pass --overwrite to delete them first"
+        )
+    return leftovers
+
+
+def check_trust_remote_code(cfg: RunConfig, trust_remote_code: bool) -> None:
+    """``model.trust_remote_code`` in a config is not enough: the person launching must confirm it."""
+    if cfg.model.trust_remote_code and not trust_remote_code:
+        raise LaunchError(
+            f"the config sets model.trust_remote_code for {cfg.model.name!r}: replicas would run code from that "
+            "repository with your storage and Hub credentials. Pass --trust-remote-code "
+            "(launch(trust_remote_code=True)) if you trust it"
+        )
 
 
 def check_launch(cfg: RunConfig, executor: ServerlessExecutor | str, *, gpu: str | None = None,
                  executor_options: dict[str, Any] | None = None,
-                 storage_options: dict[str, Any] | None = None) -> LaunchPlan:
+                 storage_options: dict[str, Any] | None = None,
+                 trust_remote_code: bool = False, overwrite: bool = False) -> LaunchPlan:
     """Run every check; build the executor; return the plan. LaunchError on the first problem."""
+    check_trust_remote_code(cfg, trust_remote_code)
     if isinstance(executor, str):
         kind = executor
         gpu = check_executor_kind(kind, gpu)
         check_store_reachable(cfg.store, kind)
         options = dict(executor_options or {})
+        oversubscribe = _oversubscribe(options) if kind == "local" else False
         if kind == "local" and options.get("secrets"):
             raise LaunchError("--secret is for modal and hf-jobs replicas; local replicas inherit your environment")
+        if kind == "local":
+            check_local_capacity(cfg.replicas, oversubscribe=oversubscribe)
         built = build_executor(kind, gpu, options)
         gpu = getattr(built, "gpu", None) or getattr(built, "flavor", None) or gpu
     else:
@@ -182,13 +295,15 @@ def check_launch(cfg: RunConfig, executor: ServerlessExecutor | str, *, gpu: str
         gpu = gpu or getattr(executor, "gpu", None) or getattr(executor, "flavor", None)
         if kind in EXECUTOR_KINDS:
             check_store_reachable(cfg.store, kind)
+        if kind == "local":
+            check_local_capacity(cfg.replicas, oversubscribe=_oversubscribe(dict(executor_options or {})))
     try:
         root = ObjectStore(cfg.store, storage_options)
     except (StoreError, ValueError, ImportError) as e:
         raise LaunchError(f"cannot open store {cfg.store}: {one_line(str(e))}") from None
     probe_store(root)
     try:
-        check_run_free(root, cfg.run_id)
+        leftovers = check_run_free(root, cfg.run_id, overwrite=overwrite)
     except StoreError as e:
         raise LaunchError(f"cannot read store {root.url}: {one_line(str(e))}") from None
-    return LaunchPlan(root=root, executor=built, kind=kind, gpu=gpu)
+    return LaunchPlan(root=root, executor=built, kind=kind, gpu=gpu, leftovers=leftovers)

@@ -17,10 +17,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from diloco_serverless.config import TRUST_REMOTE_CODE_ENV
 from diloco_serverless.errors import one_line
 from diloco_serverless.executors.base import ServerlessExecutor, handle_from_json
 from diloco_serverless.executors.registry import executor_kind
 from diloco_serverless.launcher.status import UNKNOWN, ExecutorState
+from diloco_serverless.run.integrity import RUN_KEY_ENV
 
 #: The module every replica runs: ``python -m diloco_serverless.entrypoints.replica``.
 REPLICA_ENTRYPOINT = "diloco_serverless.entrypoints.replica"
@@ -64,22 +66,28 @@ def launch_args(run_url: str) -> list[str]:
     return ["--run-url", run_url]
 
 
-def replica_env(executor: ServerlessExecutor, n_replicas: int, run_url: str) -> dict[str, str]:
-    """Environment added to every replica: the run URL and, for local processes, a fair share of
-    the CPU cores per replica (``OMP_NUM_THREADS``) so N torch processes do not oversubscribe the
-    machine; a value the user exported wins."""
+def replica_env(executor: ServerlessExecutor, n_replicas: int, run_url: str, *, run_key: str | None = None,
+                trust_remote_code: bool = False) -> dict[str, str]:
+    """Environment added to every replica: the run URL, the run key (its name marks it a secret, so
+    remote executors send it as a platform secret), the launcher's word on remote code and, for local
+    processes, a fair share of the CPU cores per replica (``OMP_NUM_THREADS``) so N torch processes do
+    not oversubscribe the machine; a value the user exported wins."""
     env = {"DILOCO_RUN_URL": run_url}
+    if run_key is not None:
+        env[RUN_KEY_ENV] = run_key
+    if trust_remote_code:
+        env[TRUST_REMOTE_CODE_ENV] = "1"
     if executor_kind(executor, "") == "local" and "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, n_replicas)))
     return env
 
 
-def launch_replicas(executor: ServerlessExecutor, n_replicas: int, run_url: str) -> list[dict[str, Any]]:
+def launch_replicas(executor: ServerlessExecutor, n_replicas: int, run_url: str, *, run_key: str | None = None,
+                    trust_remote_code: bool = False) -> list[dict[str, Any]]:
     """Start ``n_replicas`` of the replica entrypoint for ``run_url``; return their handle dicts."""
-    handles = executor.launch_replicas(
-        n_replicas, REPLICA_ENTRYPOINT, launch_args(run_url), env=replica_env(executor, n_replicas, run_url),
-    )
+    env = replica_env(executor, n_replicas, run_url, run_key=run_key, trust_remote_code=trust_remote_code)
+    handles = executor.launch_replicas(n_replicas, REPLICA_ENTRYPOINT, launch_args(run_url), env=env)
     return [handle_to_dict(h) for h in handles]
 
 

@@ -7,6 +7,10 @@ A replica's state comes from the executor's ``poll`` when the executor is reacha
 about crashes, restarts and cancellation); otherwise from its heartbeat in
 ``<run>/members/rank-<r>.json``. A heartbeat older than ``stale_after_s`` marks a running replica
 ``stale`` (it may be preempted or hung); it is a hint, not a verdict.
+
+Heartbeats come from the bucket, which anyone with write access to the run can fill: a field of
+the wrong type or range is left unknown (None), named in ``ReplicaReport.invalid`` and explained
+in ``ReplicaReport.notes`` ("rank 2: heartbeat field 'round' is not an integer"); it never raises.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_serverless.executors.base import ReplicaStatus
-from diloco_serverless.run.members import HEARTBEAT_DONE, HEARTBEAT_FAILED
+from diloco_serverless.run.members import (
+    HEARTBEAT_DONE,
+    HEARTBEAT_FAILED,
+    HEARTBEAT_FIELDS,
+    parse_heartbeat_field,
+)
 
 #: A replica's state in ``diloco status``: the executor's states (one definition, ReplicaStatus) ...
 PENDING, RUNNING = ReplicaStatus.PENDING.value, ReplicaStatus.RUNNING.value
@@ -55,6 +64,9 @@ class ReplicaReport:
     bytes_up: int = 0
     bytes_down: int = 0
     reason: str | None = None
+    #: Heartbeat fields whose stored value was unusable (shown as ``?``), and one note per field.
+    invalid: frozenset[str] = frozenset()
+    notes: tuple[str, ...] = ()
 
     @property
     def bytes_moved(self) -> int:
@@ -98,6 +110,11 @@ class RunStatus:
     def done(self) -> bool:
         return self.state in TERMINAL
 
+    @property
+    def notes(self) -> list[str]:
+        """What could not be read from the replicas' heartbeats, one line per rank and field."""
+        return [note for r in self.replicas for note in r.notes]
+
 
 def replica_state(executor: ExecutorState | None, heartbeat: Mapping[str, Any] | None,
                   heartbeat_age_s: float | None, stale_after_s: float) -> tuple[str, str | None]:
@@ -109,9 +126,10 @@ def replica_state(executor: ExecutorState | None, heartbeat: Mapping[str, Any] |
         return state, executor.reason
     if heartbeat is None:
         return (PENDING, None) if executor is None else (UNKNOWN, executor.reason)
-    mapped = _HEARTBEAT_STATES.get(str(heartbeat.get("state", "")).lower())
+    written = heartbeat.get("state")
+    mapped = _HEARTBEAT_STATES.get(written.lower()) if isinstance(written, str) else None
     if mapped is not None:
-        return mapped, heartbeat.get("message") or heartbeat.get("error") or heartbeat.get("reason")
+        return mapped, _reason_of(heartbeat)
     if heartbeat_age_s is not None and heartbeat_age_s > stale_after_s:
         return STALE, f"no heartbeat for {heartbeat_age_s:.0f}s"
     return RUNNING, None
@@ -144,16 +162,38 @@ def run_state(replicas: Sequence[ReplicaReport], min_replicas: int) -> str:
 
 def build_replica(rank: int, executor: ExecutorState | None, heartbeat: Mapping[str, Any] | None,
                   now: float, stale_after_s: float) -> ReplicaReport:
-    """One ``ReplicaReport`` from the executor's view and the rank's heartbeat (either may be None)."""
+    """One ``ReplicaReport`` from the executor's view and the rank's heartbeat (either may be None).
+
+    A heartbeat field of the wrong type (``"round": "x"``, a list, ``1e309``) is reported as unknown
+    with a note instead of raising; so is one that ``Heartbeat.from_json_dict`` already marked in
+    the heartbeat's ``invalid`` mapping.
+    """
     hb = dict(heartbeat or {})
-    age = now - float(hb["time"]) if hb.get("time") is not None else None
-    state, reason = replica_state(executor, heartbeat, age, stale_after_s)
+    invalid: dict[str, str] = {}
+    marked = hb.pop("invalid", None)
+    if isinstance(marked, Mapping):
+        invalid.update((k, v) for k, v in marked.items() if k in (*HEARTBEAT_FIELDS, "rank") and isinstance(v, str))
+    values: dict[str, Any] = {}
+    for name in HEARTBEAT_FIELDS:
+        if hb.get(name) is None:
+            values[name] = None
+            continue
+        values[name], why = parse_heartbeat_field(name, hb[name])
+        if why is not None:
+            invalid.setdefault(name, why)
+            hb[name] = None
+    age = now - values["time"] if values["time"] is not None else None
+    state, reason = replica_state(executor, hb if heartbeat is not None else None, age, stale_after_s)
     return ReplicaReport(
-        rank=rank, state=state, round=_opt_int(hb.get("round")), step=_opt_int(hb.get("step")),
-        loss=_opt_float(hb.get("loss")), attempt=_opt_int(hb.get("attempt")), heartbeat_age_s=age,
-        bytes_up=int(hb.get("bytes_up") or 0), bytes_down=int(hb.get("bytes_down") or 0),
-        reason=reason,
+        rank=rank, state=state, round=values["round"], step=values["step"], loss=values["loss"],
+        attempt=values["attempt"], heartbeat_age_s=age, bytes_up=values["bytes_up"] or 0,
+        bytes_down=values["bytes_down"] or 0, reason=reason, invalid=frozenset(invalid),
+        notes=tuple(f"rank {rank}: heartbeat field '{name}' {why}" for name, why in sorted(
+            invalid.items(), key=lambda item: _FIELD_ORDER.get(item[0], -1))),
     )
+
+
+_FIELD_ORDER = {name: i for i, name in enumerate(("rank", *HEARTBEAT_FIELDS))}
 
 
 def billed_seconds(replicas: Sequence[ReplicaReport], elapsed_s: float) -> list[float]:
@@ -172,9 +212,10 @@ def billed_seconds(replicas: Sequence[ReplicaReport], elapsed_s: float) -> list[
     return out
 
 
-def _opt_int(v: Any) -> int | None:
-    return None if v is None else int(v)
-
-
-def _opt_float(v: Any) -> float | None:
-    return None if v is None else float(v)
+def _reason_of(heartbeat: Mapping[str, Any]) -> str | None:
+    """The first non-empty text among a heartbeat's ``message``, ``error`` and ``reason``."""
+    for key in ("message", "error", "reason"):
+        value = heartbeat.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None

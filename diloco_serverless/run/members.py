@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -27,8 +28,10 @@ from diloco_serverless.run.layout import (
 from diloco_serverless.store.objectstore import ObjectStore
 
 __all__ = [
+    "HEARTBEAT_FIELDS",
     "HEARTBEAT_STATES",
     "Heartbeat",
+    "parse_heartbeat_field",
     "read_members",
     "read_metrics",
     "write_heartbeat",
@@ -49,38 +52,149 @@ HEARTBEAT_STATES = (HEARTBEAT_STARTING, HEARTBEAT_HEALING, HEARTBEAT_TRAINING, H
 
 
 # --------------------------------------------------------------------------------- heartbeats
+#: ``members/rank-<r>.json`` with a canonical rank (no leading zeros): the only keys read as heartbeats.
+_MEMBER_KEY = re.compile(rf"^{MEMBERS_PREFIX}/rank-(0|[1-9][0-9]{{0,5}})\.json$")
+#: Longest heartbeat ``message`` kept (the rest is cut): a reason, not a log.
+MESSAGE_LIMIT = 1000
+#: Largest count a heartbeat field may hold (round, step, attempt, bytes).
+_MAX_COUNT = 2**63 - 1
+
+
 @dataclass
 class Heartbeat:
-    """One replica's latest state, ``members/rank-<r>.json``. ``time`` is Unix seconds (UTC)."""
+    """One replica's latest state, ``members/rank-<r>.json``. ``time`` is Unix seconds (UTC).
+
+    A heartbeat read back from the store may carry fields that are not what a replica writes (the
+    bucket is shared: anyone who can write under the run can write there). Such a field is None
+    and :attr:`invalid` names it with the reason, e.g. ``{"round": "is not an integer"}``.
+    """
 
     rank: int
-    round: int = 0
-    step: int = 0
+    round: int | None = 0
+    step: int | None = 0
     loss: float | None = None
-    attempt: int = 0
-    time: float = field(default_factory=time.time)
-    state: str = HEARTBEAT_STARTING
-    bytes_up: int = 0
-    bytes_down: int = 0
+    attempt: int | None = 0
+    time: float | None = field(default_factory=time.time)
+    state: str | None = HEARTBEAT_STARTING
+    bytes_up: int | None = 0
+    bytes_down: int | None = 0
     message: str | None = None
+    #: Field name -> why the stored value was unusable; set only by :meth:`from_json_dict`, never stored.
+    invalid: dict[str, str] = field(default_factory=dict, compare=False)
 
     def to_json_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if d["loss"] is not None and not math.isfinite(d["loss"]):
             d["loss"] = str(d["loss"])  # "nan"/"inf": keep it visible yet valid JSON
+        invalid = d.pop("invalid")
+        if invalid:
+            d["invalid"] = invalid
         return d
 
     @classmethod
-    def from_json_dict(cls, d: dict[str, Any]) -> Heartbeat:
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        if isinstance(known.get("loss"), str):
-            known["loss"] = float(known["loss"])
-        return cls(**known)
+    def from_json_dict(cls, d: Any, *, rank: int | None = None) -> Heartbeat:
+        """Parse a stored heartbeat; a field of the wrong type or range is None and named in ``invalid``.
+
+        ``rank`` is the rank the key names (``members/rank-<r>.json``); it wins over the body's.
+        A missing field is None (shown as unknown), except ``rank``. Raises ValueError when ``d``
+        is not a JSON object or no rank can be told.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"a heartbeat must be a JSON object, got {type(d).__name__}")
+        invalid: dict[str, str] = {}
+        body_rank, why = _count(d["rank"]) if "rank" in d else (None, None)
+        if rank is None:
+            if body_rank is None:
+                raise ValueError(f"heartbeat field 'rank' {why or 'is missing'}")
+            rank = body_rank
+        elif "rank" in d and body_rank != rank:
+            invalid["rank"] = why or f"says {body_rank}, but the heartbeat is rank-{rank}.json"
+        values: dict[str, Any] = {}
+        for name, parse in _FIELDS.items():
+            if name not in d:
+                values[name] = None
+                continue
+            values[name], why = parse(d[name])
+            if why is not None:
+                invalid[name] = why
+        return cls(rank=rank, invalid=invalid, **values)
 
     @property
-    def age_s(self) -> float:
-        """Seconds since this heartbeat was written (by the local clock)."""
-        return max(0.0, time.time() - self.time)
+    def age_s(self) -> float | None:
+        """Seconds since this heartbeat was written (by the local clock); None when its time is unknown."""
+        return None if self.time is None else max(0.0, time.time() - self.time)
+
+
+_Parsed = tuple[Any, str | None]
+
+
+def _count(v: Any) -> _Parsed:
+    """A non-negative integer (an integral float such as 3.0 too), or (None, why)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None, "is not an integer"
+    if isinstance(v, float):
+        if not math.isfinite(v) or not v.is_integer():
+            return None, "is not an integer"
+        v = int(v)
+    if not 0 <= v <= _MAX_COUNT:
+        return None, "is out of range"
+    return v, None
+
+
+def _loss(v: Any) -> _Parsed:
+    """A float; "nan"/"inf"/"-inf" (as written for non-finite losses) and other numeric strings too."""
+    if isinstance(v, str) and len(v) <= 32:
+        try:
+            return float(v), None
+        except ValueError:
+            return None, "is not a number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None, "is not a number"
+    try:
+        return float(v), None
+    except OverflowError:  # an integer too large for a float
+        return None, "is out of range"
+
+
+def _timestamp(v: Any) -> _Parsed:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None, "is not a timestamp"
+    try:
+        t = float(v)
+    except OverflowError:
+        return None, "is out of range"
+    return (t, None) if math.isfinite(t) else (None, "is not a timestamp")
+
+
+def _state(v: Any) -> _Parsed:
+    if not isinstance(v, str):
+        return None, "is not a string"
+    return (v, None) if len(v) <= 64 else (None, "is too long")
+
+
+def _message(v: Any) -> _Parsed:
+    if v is None:
+        return None, None
+    if not isinstance(v, str):
+        return None, "is not a string"
+    return (v if len(v) <= MESSAGE_LIMIT else v[: MESSAGE_LIMIT - 3] + "..."), None
+
+
+_FIELDS: dict[str, Any] = {
+    "round": _count, "step": _count, "loss": _loss, "attempt": _count, "time": _timestamp,
+    "state": _state, "bytes_up": _count, "bytes_down": _count, "message": _message,
+}
+#: The heartbeat fields besides ``rank``, in the order status reports problems with them.
+HEARTBEAT_FIELDS = tuple(_FIELDS)
+
+
+def parse_heartbeat_field(name: str, value: Any) -> tuple[Any, str | None]:
+    """One stored heartbeat field: ``(value, None)``, or ``(None, why)`` (e.g. "is not an integer")."""
+    parse = _FIELDS.get(name)
+    if parse is None:
+        raise KeyError(f"{name!r} is not a heartbeat field; fields: {', '.join(HEARTBEAT_FIELDS)}")
+    value, why = parse(value)
+    return value, why
 
 
 def write_heartbeat(run_store: ObjectStore, heartbeat: Heartbeat) -> None:
@@ -91,14 +205,22 @@ def write_heartbeat(run_store: ObjectStore, heartbeat: Heartbeat) -> None:
 
 
 def read_members(run_store: ObjectStore) -> dict[int, Heartbeat]:
-    """Every rank's latest heartbeat, by rank. Unreadable entries are skipped with a warning."""
-    keys = [k for k in run_store.list(MEMBERS_PREFIX + "/") if k.endswith(".json")]
+    """Every rank's latest heartbeat, by rank (the rank its key names).
+
+    Only ``members/rank-<r>.json`` keys are read. An object that is not a JSON object is skipped
+    with a warning naming its key; a field of the wrong type is None and named in
+    :attr:`Heartbeat.invalid`, so one bad heartbeat never stops ``diloco status``.
+    """
+    keys = [k for k in run_store.list(MEMBERS_PREFIX + "/") if _MEMBER_KEY.match(k)]
     blobs = run_store.get_many(keys, missing_ok=True)
     out: dict[int, Heartbeat] = {}
     for key, raw in blobs.items():
+        match = _MEMBER_KEY.match(key)
+        if match is None:
+            continue
         try:
-            hb = Heartbeat.from_json_dict(json.loads(raw.decode("utf-8")))
-        except (ValueError, TypeError, AttributeError) as exc:
+            hb = Heartbeat.from_json_dict(json.loads(raw.decode("utf-8")), rank=int(match.group(1)))
+        except (ValueError, TypeError, RecursionError) as exc:
             warnings.warn(f"skipping unreadable heartbeat {run_store.url}/{key}: {exc}", stacklevel=2)
             continue
         out[hb.rank] = hb
@@ -134,8 +256,15 @@ def read_metrics(run_store: ObjectStore, rank: int | None = None) -> list[dict[s
             rec = json.loads(raw.decode("utf-8"))
             if not isinstance(rec, dict):
                 raise ValueError("not a JSON object")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             warnings.warn(f"skipping unreadable metrics {run_store.url}/{key}: {exc}", stacklevel=2)
             continue
         out.append({k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in rec.items()})
-    return sorted(out, key=lambda r: (r.get("round", -1), r.get("rank", -1)))
+    return sorted(out, key=_round_rank)
+
+
+def _round_rank(record: dict[str, Any]) -> tuple[int, int]:
+    """Sort key of a metrics record; a round or rank that is not a count sorts first (as -1)."""
+    round_, _ = _count(record.get("round"))
+    rank, _ = _count(record.get("rank"))
+    return (-1 if round_ is None else round_, -1 if rank is None else rank)

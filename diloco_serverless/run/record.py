@@ -26,14 +26,16 @@ names the URL and says what to do. Store errors (access denied, unavailable) pro
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from diloco_serverless.config import RunConfig, find_secret
+from diloco_serverless.config import RUN_ID_PATTERN, RunConfig, find_secret
 from diloco_serverless.errors import ConfigError, RunError
+from diloco_serverless.run.integrity import mac_json, verify_json
 from diloco_serverless.run.layout import RUN_JSON, RUN_VERSION
 from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore
@@ -130,18 +132,51 @@ class RunRecord:
                 f"{url}/{RUN_JSON} has version {data['version']!r}, this diloco-serverless reads <= {RUN_VERSION}; "
                 "upgrade the package"
             )
+        if not isinstance(data["config"], dict):
+            raise InvalidRun(
+                f"{url}/{RUN_JSON}: 'config' must be an object, got {type(data['config']).__name__}; "
+                "the run is corrupt, launch a new one"
+            )
         try:
             config = RunConfig.from_dict(data["config"], source=f"{url}/{RUN_JSON}")
         except ConfigError as exc:
             raise InvalidRun(str(exc)) from None
+        run_id = data["run_id"]
+        if not isinstance(run_id, str) or not re.match(RUN_ID_PATTERN, run_id):
+            raise InvalidRun(
+                f"{url}/{RUN_JSON} has run_id {_shown(run_id)}, which is not a run id "
+                "(letters, digits, '.', '_', '-'); the run is corrupt or was not written by diloco, launch a new one"
+            )
+        folder = url.rstrip("/").rsplit("/", 1)[-1] if url else run_id
+        if run_id != folder:
+            raise InvalidRun(
+                f"{url}/{RUN_JSON} has run_id {_shown(run_id)} but sits in folder {_shown(folder)}; "
+                "a run's record must name its own folder, launch a new run"
+            )
+        if config.run_id != run_id:
+            raise InvalidRun(
+                f"{url}/{RUN_JSON} has run_id {_shown(run_id)} but its config says {_shown(config.run_id)}; "
+                "the run is corrupt, launch a new one"
+            )
         launch = data.get("launch")
         if launch is not None and not isinstance(launch, dict):
             raise InvalidRun(f"{url}/{RUN_JSON}: 'launch' must be an object or null, got {type(launch).__name__}")
-        return cls(str(data["run_id"]), str(data["created_at"]), data["version"], config, launch, url)
+        return cls(run_id, str(data["created_at"]), data["version"], config, launch, url)
 
 
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, indent=1, sort_keys=False).encode("utf-8")
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for quoting a stored value in an error."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+#: What run.json's HMAC is bound to (diloco_serverless.run.integrity).
+RUN_JSON_KIND = "run.json"
+
+
+def _dumps(obj: dict[str, Any], key: bytes | None) -> bytes:
+    doc = mac_json(key, RUN_JSON_KIND, obj) if key is not None else obj
+    return json.dumps(doc, indent=1, sort_keys=False).encode("utf-8")
 
 
 def open_run_store(run_url: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
@@ -150,20 +185,25 @@ def open_run_store(run_url: str, storage_options: dict[str, Any] | None = None) 
 
 
 def create_run(
-    store: ObjectStore | str | None, config: RunConfig, *, storage_options: dict[str, Any] | None = None
+    store: ObjectStore | str | None,
+    config: RunConfig,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    key: bytes | None = None,
 ) -> tuple[ObjectStore, RunRecord]:
     """Create ``<store>/<config.run_id>/run.json`` create-only; returns (run store, record).
 
     ``store`` is the store root (ObjectStore or URL; None = ``config.store``). The recorded config's
     ``store`` is the normalised store URL, and a relative local ``data.source`` is made absolute, so
-    replicas started elsewhere read the same locations.
+    replicas started elsewhere read the same locations. With ``key`` (the run key), run.json carries
+    its HMAC, and readers holding the key refuse any other content.
     Raises RunExists if the run id is taken.
     """
     root = store if isinstance(store, ObjectStore) else ObjectStore(store or config.store, storage_options)
     config = config.model_copy(update={"store": root.url, "data": _absolute_data_source(config)})
     run_store = root.child(config.run_id)
     record = RunRecord(config.run_id, _utc_now_iso(), RUN_VERSION, config, None, run_store.url)
-    if not run_store.put_if_absent(RUN_JSON, _dumps(record.to_json_dict())):
+    if not run_store.put_if_absent(RUN_JSON, _dumps(record.to_json_dict(), key)):
         raise RunExists(
             f"run {run_store.url} already exists; choose another run id (--set run_id=...) "
             f"or attach to it with `diloco status {run_store.url}`"
@@ -179,7 +219,7 @@ def _absolute_data_source(config: RunConfig) -> Any:
     return config.data.model_copy(update={"source": str(Path(source).resolve())})
 
 
-def _read_record(run_store: ObjectStore) -> RunRecord:
+def _read_record(run_store: ObjectStore, key: bytes | None) -> RunRecord:
     try:
         raw = run_store.get(RUN_JSON)
     except ObjectNotFound:
@@ -189,21 +229,28 @@ def _read_record(run_store: ObjectStore) -> RunRecord:
         ) from None
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRun(f"{run_store.url}/{RUN_JSON} is not valid JSON ({exc}); the run is corrupt") from None
+    if key is not None and not verify_json(key, RUN_JSON_KIND, data):
+        raise InvalidRun(
+            f"{run_store.url}/{RUN_JSON} does not carry this run's signature: it was changed after launch by "
+            "someone with write access to the bucket, or belongs to another launch; refusing it. Check who can "
+            "write the prefix (docs/security.md) and launch a new run"
+        )
     return RunRecord.from_json_dict(data, url=run_store.url)
 
 
 def load_run(
-    run_url: str | ObjectStore, storage_options: dict[str, Any] | None = None
+    run_url: str | ObjectStore, storage_options: dict[str, Any] | None = None, *, key: bytes | None = None
 ) -> tuple[ObjectStore, RunRecord]:
     """Open the run at ``run_url`` -> (store rooted at the run, its RunRecord).
 
-    Raises RunNotFound / InvalidRun naming the URL; store errors (StoreAccessDenied, StoreUnavailable)
-    propagate with their own message.
+    With ``key`` (the run key), run.json must carry its HMAC under that key. Raises RunNotFound /
+    InvalidRun naming the URL; store errors (StoreAccessDenied, StoreUnavailable) propagate with
+    their own message.
     """
     run_store = run_url if isinstance(run_url, ObjectStore) else ObjectStore(run_url, storage_options)
-    return run_store, _read_record(run_store)
+    return run_store, _read_record(run_store, key)
 
 
 def _refuse_secret_values(obj: Any, where: str) -> None:
@@ -223,14 +270,16 @@ def record_launch(
     handles: list[dict[str, Any]],
     *,
     storage_options: dict[str, Any] | None = None,
+    key: bytes | None = None,
     **extra: Any,
 ) -> RunRecord:
     """Store the launch record ``{"executor", "handles", "launched_at", **extra}`` in run.json.
 
     Handles must be JSON-serialisable dicts ({"kind", "rank", ...}); values that look like secrets are
-    refused (ValueError). Overwrites any previous launch record (a relaunch). Returns the new record.
+    refused (ValueError). Overwrites any previous launch record (a relaunch), signed with ``key``
+    (which must also verify the record it replaces). Returns the new record.
     """
-    run_store, record = load_run(run_url, storage_options)
+    run_store, record = load_run(run_url, storage_options, key=key)
     launch = {"executor": executor_kind, "handles": list(handles), "launched_at": _utc_now_iso(), **extra}
     _refuse_secret_values(launch, "launch")
     try:
@@ -238,26 +287,37 @@ def record_launch(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"launch record for {run_store.url} is not JSON-serialisable: {exc}") from None
     new = RunRecord(record.run_id, record.created_at, record.version, record.config, launch, run_store.url)
-    run_store.put(RUN_JSON, _dumps(new.to_json_dict()))
+    run_store.put(RUN_JSON, _dumps(new.to_json_dict(), key))
     return new
 
 
 # --------------------------------------------------------------------------------- listing
-def list_runs(store: ObjectStore | str, storage_options: dict[str, Any] | None = None) -> list[RunRecord]:
+def list_runs(store: ObjectStore | str, storage_options: dict[str, Any] | None = None, *,
+              skipped: list[tuple[str, str]] | None = None) -> list[RunRecord]:
     """Runs directly under a store URL (folders holding a run.json), oldest first.
 
     Reads one delimited listing of the store's top-level folders and fetches their
     ``<folder>/run.json`` concurrently; it never lists the rounds inside a run, so it stays
-    fast on a large S3/GCS prefix. Runs whose run.json is unreadable are skipped with a
-    warning naming them; folders without one are ignored.
+    fast on a large S3/GCS prefix. A run.json that is unreadable or invalid (not JSON, a config that
+    does not validate, a run_id that is not a run id or not its folder's name) skips that run: it is
+    appended to ``skipped`` as (folder, reason) when a list is given, else warned about; folders
+    without one are ignored. One bad run never stops the listing.
     """
     root = store if isinstance(store, ObjectStore) else ObjectStore(store, storage_options)
     keys = [f"{folder}/{RUN_JSON}" for folder in root.list_dirs("")]
     out: list[RunRecord] = []
     for key, raw in sorted(root.get_many(keys, missing_ok=True).items()):
-        url = join_run_url(root.url, key.split("/", 1)[0])
+        folder = key.split("/", 1)[0]
+        url = join_run_url(root.url, folder)
         try:
-            out.append(RunRecord.from_json_dict(json.loads(raw.decode("utf-8")), url=url))
+            try:
+                data = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                raise InvalidRun(f"{url}/{RUN_JSON} is not valid JSON ({type(exc).__name__})") from None
+            out.append(RunRecord.from_json_dict(data, url=url))
         except (ValueError, RunError) as exc:
-            warnings.warn(f"skipping run {url}: {exc}", stacklevel=2)
+            if skipped is None:
+                warnings.warn(f"skipping run {url}: {exc}", stacklevel=2)
+            else:
+                skipped.append((folder, str(exc)))
     return sorted(out, key=lambda r: (r.created_at, r.run_id))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from diloco_serverless.store.errors import (
     ObjectNotFound,
+    ObjectTooLarge,
     StoreAccessDenied,
     StoreError,
     StoreUnavailable,
@@ -27,6 +28,7 @@ __all__ = [
     "ENV_STORAGE_OPTIONS",
     "ObjectNotFound",
     "ObjectStore",
+    "ObjectTooLarge",
     "RetryPolicy",
     "StoreAccessDenied",
     "StoreError",

@@ -22,11 +22,13 @@ __all__ = [
     "ObjectNotFound",
     "StoreAccessDenied",
     "StoreUnavailable",
+    "ObjectTooLarge",
     "TRANSIENT_ERRORS",
     "TRANSIENT_ERRNOS",
     "TRANSIENT_S3_CODES",
     "TRANSIENT_HTTP_STATUS",
     "is_transient",
+    "is_range_unsatisfiable",
     "is_access_denied",
     "translate_error",
 ]
@@ -198,3 +200,19 @@ def translate_error(exc: BaseException, *, url: str, key: str, op: str) -> Store
             f"{op} {where}: store unreachable or failing after retries; check the endpoint "
             f"and network, or raise RetryPolicy.timeout_s [{detail}]", url=url, key=key, op=op)
     return StoreError(f"{op} {where} failed [{detail}]", url=url, key=key, op=op)
+
+
+class ObjectTooLarge(StoreError):
+    """An object is larger than the ``max_bytes`` its reader allowed; it was not read in full.
+
+    Not transient (never retried). ``max_bytes`` is the limit that was exceeded."""
+
+    def __init__(self, message: str, *, url: str = "", key: str = "", op: str = "", max_bytes: int = 0) -> None:
+        super().__init__(message, url=url, key=key, op=op)
+        self.max_bytes = max_bytes
+
+
+def is_range_unsatisfiable(exc: BaseException) -> bool:
+    """True if ``exc`` is S3's/GCS's answer (416, ``InvalidRange``) to a ranged read from byte 0,
+    which is how they say the object is empty."""
+    return any(_s3_code(e) == "InvalidRange" or _http_status(e) == 416 for e in _chain(exc))

@@ -3,7 +3,8 @@
 One URL in: ``file:///abs/path`` or a bare path (local), ``memory://name`` (in-process, tests),
 ``s3://bucket/prefix`` (s3fs), ``gs://bucket/prefix`` (gcsfs); other fsspec protocols work with
 plain (non-create-only) semantics. Operations: :meth:`put`, :meth:`put_if_absent` (atomic
-create-only, the exchange's one consensus primitive), :meth:`get`, :meth:`get_many` (concurrent),
+create-only, the exchange's one consensus primitive), :meth:`get`, :meth:`get_many` (concurrent;
+both take an optional ``max_bytes`` and refuse a larger object without reading it in full),
 :meth:`exists`, :meth:`list` (recursive), :meth:`list_dirs` (one level, delimited), :meth:`delete`.
 
 Create-only per back end:
@@ -44,8 +45,10 @@ from diloco_serverless.errors import StoreError
 from diloco_serverless.store import _local as store_local
 from diloco_serverless.store.errors import (
     ObjectNotFound,
+    ObjectTooLarge,
     StoreAccessDenied,
     StoreUnavailable,
+    is_range_unsatisfiable,
     is_transient,
     translate_error,
 )
@@ -56,6 +59,7 @@ __all__ = [
     "RetryPolicy",
     "StoreError",
     "ObjectNotFound",
+    "ObjectTooLarge",
     "StoreAccessDenied",
     "StoreUnavailable",
     "storage_options_from_env",
@@ -70,6 +74,12 @@ ENV_STORAGE_OPTIONS = "DILOCO_STORAGE_OPTIONS"
 _ALIASES = {"gcs": "gs", "s3a": "s3", "local": "file"}
 _MEMORY_LOCK = threading.Lock()
 _MAX_THREADS = 16
+
+
+def _check_limit(max_bytes: int | None) -> int | None:
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+        raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+    return max_bytes
 
 
 def storage_options_from_env() -> dict[str, Any]:
@@ -319,18 +329,47 @@ class ObjectStore:
         return self.put_if_absent(key, json.dumps(obj).encode("utf-8"))
 
     # ----------------------------------------------------------------- reads
-    def get(self, key: str) -> bytes:
-        """The bytes at ``key``. Raises :class:`ObjectNotFound` if there is no object."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """The bytes at ``key``. Raises :class:`ObjectNotFound` if there is no object.
+
+        With ``max_bytes``, at most ``max_bytes + 1`` bytes are read (one ranged GET on remote
+        stores, no extra request; local files are sized first) and an object larger than
+        ``max_bytes`` raises :class:`ObjectTooLarge` instead of being returned.
+        """
         key = _check_key(key)
         path = self._path(key)
+        limit = _check_limit(max_bytes)
 
         def attempt(remaining: float) -> bytes:
             if self.protocol == "file":
                 with open(path, "rb") as f:
-                    return f.read()
-            return bytes(self._fs_call("cat_file", path, timeout_s=remaining))
+                    if limit is None:
+                        return f.read()
+                    size = os.fstat(f.fileno()).st_size
+                    if size > limit:
+                        raise self._too_large(key, limit, size)
+                    data = f.read(limit + 1)
+            elif limit is None:
+                return bytes(self._fs_call("cat_file", path, timeout_s=remaining))
+            else:
+                try:
+                    data = bytes(self._fs_call("cat_file", path, start=0, end=limit + 1, timeout_s=remaining))
+                except OSError as exc:
+                    if not is_range_unsatisfiable(exc):
+                        raise
+                    data = b""
+            if len(data) > limit:
+                raise self._too_large(key, limit, len(data))
+            return data
 
         return self._run("get", key, attempt)
+
+    def _too_large(self, key: str, limit: int, seen: int) -> ObjectTooLarge:
+        return ObjectTooLarge(
+            f"get {self.url}/{key}: the object is larger than the {limit} bytes allowed "
+            f"({'at least ' if seen == limit + 1 else ''}{seen} bytes); not read further",
+            url=self.url, key=key, op="get", max_bytes=limit,
+        )
 
     def get_json(self, key: str) -> Any:
         """:meth:`get` and parse UTF-8 JSON; a :class:`StoreError` naming the key if corrupt."""
@@ -341,25 +380,28 @@ class ObjectStore:
             raise StoreError(f"get_json {self.url}/{key}: not valid UTF-8 JSON ({exc}); the "
                              "object is corrupt or not JSON", url=self.url, key=key, op="get_json") from exc
 
-    def get_many(self, keys: Sequence[str], *, missing_ok: bool = False) -> dict[str, bytes]:
+    def get_many(self, keys: Sequence[str], *, missing_ok: bool = False,
+                 max_bytes: int | None = None) -> dict[str, bytes]:
         """Fetch many objects concurrently: fsspec's batched async ``_cat`` on S3/GCS, a thread
         pool otherwise. Returns {key: bytes} in the order of ``keys``; missing keys are
-        omitted if ``missing_ok``, else :class:`ObjectNotFound` names them."""
+        omitted if ``missing_ok``, else :class:`ObjectNotFound` names them. ``max_bytes`` applies
+        to each object as in :meth:`get` (:class:`ObjectTooLarge` names the first one over it)."""
         wanted = [_check_key(k) for k in dict.fromkeys(keys)]
+        limit = _check_limit(max_bytes)
         if not wanted:
             return {}
-        found, missing = (self._get_many_async(wanted) if self._async
-                          else self._get_many_threads(wanted))
+        found, missing = (self._get_many_async(wanted, limit) if self._async
+                          else self._get_many_threads(wanted, limit))
         if missing and not missing_ok:
             names = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ObjectNotFound(f"get_many {self.url}: {len(missing)} object(s) not found: {names}",
                                  url=self.url, key=missing[0], op="get_many")
         return {k: found[k] for k in wanted if k in found}
 
-    def _get_many_threads(self, keys: list[str]) -> tuple[dict[str, bytes], list[str]]:
+    def _get_many_threads(self, keys: list[str], limit: int | None) -> tuple[dict[str, bytes], list[str]]:
         def one(key: str) -> bytes | None:
             try:
-                return self.get(key)
+                return self.get(key, max_bytes=limit)
             except ObjectNotFound:
                 return None
 
@@ -368,7 +410,7 @@ class ObjectStore:
         found = {k: v for k, v in zip(keys, values) if v is not None}
         return found, [k for k, v in zip(keys, values) if v is None]
 
-    def _get_many_async(self, keys: list[str]) -> tuple[dict[str, bytes], list[str]]:
+    def _get_many_async(self, keys: list[str], limit: int | None) -> tuple[dict[str, bytes], list[str]]:
         by_path = {self.fs._strip_protocol(self._path(k)): k for k in keys}
         found: dict[str, bytes] = {}
         missing: list[str] = []
@@ -377,11 +419,16 @@ class ObjectStore:
             todo = [p for p, k in by_path.items() if k not in found and k not in missing]
             if not todo:
                 return
-            out = self._fs_call("cat", todo, on_error="return", timeout_s=remaining)
+            ranged: dict[str, Any] = {} if limit is None else {"start": 0, "end": limit + 1}
+            out = self._fs_call("cat", todo, on_error="return", timeout_s=remaining, **ranged)
             transient: BaseException | None = None
             for path, value in out.items():
                 key = by_path.get(path, path)
+                if limit is not None and isinstance(value, OSError) and is_range_unsatisfiable(value):
+                    value = b""
                 if not isinstance(value, BaseException):
+                    if limit is not None and len(value) > limit:
+                        raise self._too_large(key, limit, len(value))
                     found[key] = bytes(value)
                 elif isinstance(value, FileNotFoundError):
                     missing.append(key)

@@ -18,6 +18,7 @@ shard marker exist; readers verify each shard's sha256 and keys and refuse a mis
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from diloco_serverless.errors import CheckpointError
+from diloco_serverless.run.integrity import mac_bytes, mac_json, verify_json
 from diloco_serverless.run.layout import (
     LATEST_CHECKPOINT_KEY,
     checkpoint_prefix,
@@ -94,30 +96,52 @@ def _manifest(round_: int, step: int, tensors: dict[str, torch.Tensor], plan: li
     }
 
 
-def _write_shard(store: ObjectStore, round_: int, j: int, keys: list[str], tensors: dict[str, torch.Tensor]) -> None:
+def _signed(run_key: bytes | None, kind: str, doc: dict[str, Any]) -> bytes:
+    return json.dumps(mac_json(run_key, kind, doc) if run_key is not None else doc).encode()
+
+
+def _verified_json(store: ObjectStore, key: str, kind: str, run_key: bytes | None) -> Any:
+    """The JSON object at ``key``; with a run key, CheckpointCorrupt unless it carries the run's HMAC."""
+    doc = store.get_json(key)
+    if run_key is not None and not verify_json(run_key, kind, doc):
+        raise CheckpointCorrupt(
+            f"{store.url}/{key} does not carry this run's signature (forged, or from another launch); refusing "
+            f"it. Check who can write the bucket prefix (docs/security.md), then delete "
+            f"{key.rsplit('/', 1)[0]} to fall back to an older checkpoint"
+        )
+    return doc
+
+
+def _write_shard(store: ObjectStore, round_: int, j: int, keys: list[str], tensors: dict[str, torch.Tensor],
+                 run_key: bytes | None = None) -> None:
     if store.exists(_shard_key(round_, j, "json")):
         return
     blob = st_save({k: tensors[k].contiguous() for k in keys}, metadata={"round": str(round_), "shard": str(j)})
     store.put_if_absent(_shard_key(round_, j, "safetensors"), blob)
     stored = store.get(_shard_key(round_, j, "safetensors"))  # the first writer's bytes
-    marker = {"sha256": hashlib.sha256(stored).hexdigest(), "keys": keys, "bytes": len(stored)}
-    store.put_if_absent(_shard_key(round_, j, "json"), json.dumps(marker).encode())
+    marker = {"sha256": hashlib.sha256(stored).hexdigest(), "keys": keys, "bytes": len(stored),
+              "round": round_, "shard": j}
+    store.put_if_absent(_shard_key(round_, j, "json"), _signed(run_key, "checkpoint-shard", marker))
 
 
 def save_checkpoint(store: ObjectStore, round_: int, step: int, tensors: dict[str, torch.Tensor],
                     meta: dict[str, Any], *, rank: int, world_size: int, data_state: dict[str, Any] | None = None,
-                    takeover_s: float = 30.0, poll_s: float = 0.1) -> bool:
+                    takeover_s: float = 30.0, poll_s: float = 0.1, run_key: bytes | None = None) -> bool:
     """Write this rank's part of the checkpoint of ``round_``; take over missing shards after ``takeover_s``.
 
     ``store`` is rooted at the run. Returns True when the checkpoint is complete (then
-    ``latest.json`` points at it, unless a newer one already does). Store errors propagate.
+    ``latest.json`` points at it, unless a newer one already does). With ``run_key`` the manifest,
+    the shard markers (which hold each shard's SHA-256) and the data position carry the run's HMAC.
+    Store errors propagate.
     """
     plan = plan_shards(tensors, world_size)
     prefix = checkpoint_prefix(round_)
-    store.put_if_absent(f"{prefix}/manifest.json", json.dumps(_manifest(round_, step, tensors, plan, meta)).encode())
+    manifest = _manifest(round_, step, tensors, plan, meta)
+    store.put_if_absent(f"{prefix}/manifest.json", _signed(run_key, "checkpoint-manifest", manifest))
     if data_state is not None:
-        store.put(f"{prefix}/data/rank-{rank}.json", json.dumps(data_state).encode())
-    _write_shard(store, round_, rank % world_size, plan[rank % world_size], tensors)
+        state = {"round": round_, "rank": rank, "state": data_state}
+        store.put(f"{prefix}/data/rank-{rank}.json", _signed(run_key, "data-state", state))
+    _write_shard(store, round_, rank % world_size, plan[rank % world_size], tensors, run_key)
     deadline = time.monotonic() + takeover_s
     while True:
         missing = _missing_shards(store, round_, world_size)
@@ -125,7 +149,7 @@ def save_checkpoint(store: ObjectStore, round_: int, step: int, tensors: dict[st
             break
         if time.monotonic() >= deadline:
             for j in missing:
-                _write_shard(store, round_, j, plan[j], tensors)
+                _write_shard(store, round_, j, plan[j], tensors, run_key)
             break
         time.sleep(poll_s)
     _advance_latest(store, round_, step)
@@ -173,10 +197,12 @@ def find_latest_checkpoint(store: ObjectStore) -> int | None:
     return rounds[-1] if rounds else None
 
 
-def load_checkpoint(store: ObjectStore, round_: int) -> tuple[dict[str, torch.Tensor], CheckpointInfo]:
-    """Read and verify checkpoint ``round_``; raises :class:`CheckpointCorrupt` naming the object."""
+def load_checkpoint(store: ObjectStore, round_: int,
+                    run_key: bytes | None = None) -> tuple[dict[str, torch.Tensor], CheckpointInfo]:
+    """Read and verify checkpoint ``round_`` (with ``run_key``, its signatures too); raises
+    :class:`CheckpointCorrupt` naming the object."""
     prefix = checkpoint_prefix(round_)
-    manifest = store.get_json(f"{prefix}/manifest.json")
+    manifest = _verified_json(store, f"{prefix}/manifest.json", "checkpoint-manifest", run_key)
     if manifest.get("format") != FORMAT or manifest.get("round") != round_:
         raise CheckpointCorrupt(f"{store.url}/{prefix}/manifest.json: format/round mismatch ({manifest.get('format')}, "
                                 f"{manifest.get('round')}); delete the checkpoint folder to fall back to an older one")
@@ -188,6 +214,10 @@ def load_checkpoint(store: ObjectStore, round_: int) -> tuple[dict[str, torch.Te
         marker = json.loads(blobs[_shard_key(round_, j, "json")])
         blob = blobs[_shard_key(round_, j, "safetensors")]
         where = f"{store.url}/{_shard_key(round_, j, 'safetensors')}"
+        signed = run_key is None or verify_json(run_key, "checkpoint-shard", marker)
+        if not signed or (run_key is not None and (marker.get("round"), marker.get("shard")) != (round_, j)):
+            raise CheckpointCorrupt(f"{store.url}/{_shard_key(round_, j, 'json')}: not signed with this run's key "
+                                    f"for round {round_} shard {j}; refusing it, delete {prefix} to fall back")
         if hashlib.sha256(blob).hexdigest() != marker["sha256"]:
             raise CheckpointCorrupt(f"{where}: sha256 mismatch; the object is damaged, delete {prefix} to fall back")
         part = st_load(blob)
@@ -202,13 +232,18 @@ def load_checkpoint(store: ObjectStore, round_: int) -> tuple[dict[str, torch.Te
     return tensors, CheckpointInfo(round_, int(manifest["step"]), n, manifest["meta"])
 
 
-def read_data_state(store: ObjectStore, round_: int, rank: int) -> dict[str, Any] | None:
+def read_data_state(store: ObjectStore, round_: int, rank: int,
+                    run_key: bytes | None = None) -> dict[str, Any] | None:
     """Rank ``rank``'s data position saved with checkpoint ``round_`` (None if it did not write one)."""
+    key = f"{checkpoint_prefix(round_)}/data/rank-{rank}.json"
     try:
-        state: dict[str, Any] = store.get_json(f"{checkpoint_prefix(round_)}/data/rank-{rank}.json")
-        return state
+        doc = _verified_json(store, key, "data-state", run_key)
     except ObjectNotFound:
         return None
+    if not isinstance(doc, dict) or doc.get("round") != round_ or doc.get("rank") != rank:
+        raise CheckpointCorrupt(f"{store.url}/{key} is not rank {rank}'s data position of round {round_}")
+    state: dict[str, Any] = doc["state"]
+    return state
 
 
 def prune_checkpoints(store: ObjectStore, keep_from_round: int) -> None:
@@ -259,7 +294,29 @@ def write_final(
 INITIAL_KEY = "checkpoints/initial.safetensors"
 
 
-def sync_initial_parameters(store: ObjectStore, model: torch.nn.Module) -> bool:
+def safe_open_metadata(blob: bytes) -> dict[str, str] | None:
+    """The ``__metadata__`` of a safetensors file's header, or None when it has none or is unreadable."""
+    if len(blob) < 8:
+        return None
+    size = int.from_bytes(blob[:8], "little")
+    try:
+        header = json.loads(blob[8 : 8 + size].decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else None
+
+
+def _tensors_mac(run_key: bytes, tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}\x00{t.dtype}\x00{list(t.shape)}\x00".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return mac_bytes(run_key, "initial-parameters", digest.digest())
+
+
+def sync_initial_parameters(store: ObjectStore, model: torch.nn.Module, run_key: bytes | None = None) -> bool:
     """Make every replica start from the same global parameters, bit for bit.
 
     The first replica stores its freshly initialised parameters create-only under
@@ -270,9 +327,20 @@ def sync_initial_parameters(store: ObjectStore, model: torch.nn.Module) -> bool:
     """
 
     named = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters()}
-    wrote = store.put_if_absent(INITIAL_KEY, st_save(named, metadata={"format": str(FORMAT)}))
-    stored = st_load(store.get(INITIAL_KEY))
+    metadata = {"format": str(FORMAT)}
+    if run_key is not None:
+        metadata["mac"] = _tensors_mac(run_key, named)
+    wrote = store.put_if_absent(INITIAL_KEY, st_save(named, metadata=metadata))
+    blob = store.get(INITIAL_KEY)
+    stored = st_load(blob)
     where = f"{store.url}/{INITIAL_KEY}"
+    if run_key is not None:
+        tag = (safe_open_metadata(blob) or {}).get("mac")
+        if not isinstance(tag, str) or not hmac.compare_digest(tag, _tensors_mac(run_key, stored)):
+            raise CheckpointCorrupt(
+                f"{where} does not carry this run's signature (forged, or from another launch); refusing to start "
+                "from it. Check who can write the bucket prefix (docs/security.md)"
+            )
     if sorted(stored) != sorted(named):
         extra, missing = sorted(set(stored) - set(named))[:3], sorted(set(named) - set(stored))[:3]
         raise CheckpointMismatch(

@@ -32,15 +32,18 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from diloco_serverless.config import RunConfig
+from diloco_serverless.config import TRUST_REMOTE_CODE_ENV, RunConfig
 from diloco_serverless.data.builder import BatchBuilder, make_reference_model
+from diloco_serverless.errors import ConfigError
 from diloco_serverless.loss import TAIDScheduler, compose_loss
+from diloco_serverless.run.integrity import RUN_KEY_ENV, run_key_from_env
 from diloco_serverless.run.members import (
     HEARTBEAT_CHECKPOINTING,
     HEARTBEAT_DONE,
@@ -100,25 +103,26 @@ class ReplicaTrainer:
 
     def __init__(self, cfg: RunConfig, run_store: ObjectStore, rank: int, *, attempt: int = 0,
                  storage_options: dict[str, Any] | None = None, device: str | None = None,
-                 exchange_options: dict[str, Any] | None = None) -> None:
+                 exchange_options: dict[str, Any] | None = None, run_key: bytes | None = None) -> None:
         if not 0 <= rank < cfg.replicas:
             raise ValueError(
                 f"rank {rank} is outside run {cfg.run_id} ({cfg.replicas} replicas: ranks 0..{cfg.replicas - 1}); "
                 "set REPLICA_RANK to one of them"
             )
         self.cfg, self.store, self.rank, self.attempt = cfg, run_store, rank, attempt
+        self.run_key = run_key  # signs and verifies everything this replica writes and reads
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.fragments = cfg.exchange.fragments
         self.total_rounds = cfg.rounds * self.fragments
         torch.manual_seed(cfg.seed + 1000 * rank)
         model, self.tokenizer = build_model(cfg.model, cfg.seed)
-        ckpt.sync_initial_parameters(run_store, model)  # identical start on every replica, bit for bit
+        ckpt.sync_initial_parameters(run_store, model, run_key)  # identical start on every replica, bit for bit
         self.model = model.to(self.device)  # type: ignore[arg-type]  # transformers wraps .to(); its stub takes the model
         ref = make_reference_model(self.model) if cfg.loss.needs_reference else None
         self.data = BatchBuilder.from_config(
             cfg, self.tokenizer, rank=rank, ref_model=ref, device=self.device, storage_options=storage_options
         )
-        self.manager = self._build_manager(storage_options, exchange_options or {})
+        self.manager = self._build_manager(storage_options, {"run_key": run_key, **(exchange_options or {})})
         self.inner = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay
         )
@@ -153,8 +157,25 @@ class ReplicaTrainer:
         device: str | None = None,
         exchange_options: dict[str, Any] | None = None,
     ) -> ReplicaTrainer:
-        """Load ``run.json`` at ``run_url`` and build rank ``rank``'s trainer (no training yet)."""
-        run_store, record = load_run(run_url, storage_options)
+        """Load ``run.json`` at ``run_url`` and build rank ``rank``'s trainer (no training yet).
+
+        The run key comes from ``$DILOCO_RUN_KEY`` (what the launcher sends every replica): run.json
+        and everything read from the store must then carry its signature. Without it the replica
+        cannot tell a forged object from a real one and says so in its log.
+        ``model.trust_remote_code`` is honoured only when the launcher was given it on its command
+        line (``$DILOCO_TRUST_REMOTE_CODE=1``), never from the stored config alone.
+        """
+        run_key = run_key_from_env()
+        if run_key is None:
+            logger.warning("rank %d: %s is not set: run.json and the exchange objects cannot be verified",
+                           rank, RUN_KEY_ENV)
+        run_store, record = load_run(run_url, storage_options, key=run_key)
+        if record.config.model.trust_remote_code and os.environ.get(TRUST_REMOTE_CODE_ENV) != "1":
+            raise ConfigError(
+                f"{run_store.url}/run.json asks for model.trust_remote_code, but the launcher was not given "
+                "--trust-remote-code; refusing to run code from the model repository. Relaunch with "
+                "--trust-remote-code if you trust it"
+            )
         return cls(
             record.config,
             run_store,
@@ -163,6 +184,7 @@ class ReplicaTrainer:
             storage_options=storage_options,
             device=device,
             exchange_options=exchange_options,
+            run_key=run_key,
         )
 
     def _build_manager(self, storage_options: dict[str, Any] | None, extra: dict[str, Any]) -> ObjectStoreManager:
@@ -206,9 +228,9 @@ class ReplicaTrainer:
         latest = ckpt.find_latest_checkpoint(self.store)
         position: int | None = None
         if latest is not None and latest + 1 > self.manager.current_step():
-            tensors, info = ckpt.load_checkpoint(self.store, latest)
+            tensors, info = ckpt.load_checkpoint(self.store, latest, self.run_key)
             self.rep.load_state_tensors(tensors, info.meta, source=f"{self.store.url}/checkpoints/{latest:08d}")
-            state = ckpt.read_data_state(self.store, latest, self.rank)
+            state = ckpt.read_data_state(self.store, latest, self.rank, self.run_key)
             if state is not None:
                 self.data.load_state_dict(state)
                 position = self.data.position
@@ -229,7 +251,7 @@ class ReplicaTrainer:
         """Raise CheckpointMismatch before training if the run's newest checkpoint does not fit the model."""
         latest = ckpt.find_latest_checkpoint(self.store)
         if latest is not None:
-            tensors, info = ckpt.load_checkpoint(self.store, latest)
+            tensors, info = ckpt.load_checkpoint(self.store, latest, self.run_key)
             self.rep.check_compatible(tensors, info.meta, source=f"{self.store.url}/checkpoints/{latest:08d}")
 
     # ------------------------------------------------------------------ the loop
@@ -411,6 +433,7 @@ class ReplicaTrainer:
             world_size=self.cfg.replicas,
             data_state=self.data.state_dict(),
             takeover_s=min(60.0, self.cfg.exchange.straggler_timeout_s),
+            run_key=self.run_key,
         )
         participants = record.participants if record and record.participants else [0]
         if self.rank == min(participants):

@@ -3,10 +3,13 @@
 # expire), so there is no versioning, replication or access logging; see ../.checkov.yaml.
 
 locals {
-  replica_policy_name = coalesce(var.replica_policy_name, "${var.bucket_name}-diloco-replica")
-  replica_role_name   = coalesce(var.replica_role_name, substr("${var.bucket_name}-diloco-replica", 0, 64))
-  create_replica_role = length(var.replica_role_trusted_principals) > 0
-  sse_algorithm       = var.kms_key_arn == null ? "AES256" : "aws:kms"
+  replica_policy_name  = coalesce(var.replica_policy_name, "${var.bucket_name}-diloco-replica")
+  replica_role_name    = coalesce(var.replica_role_name, substr("${var.bucket_name}-diloco-replica", 0, 64))
+  create_replica_role  = length(var.replica_role_trusted_principals) > 0
+  observer_policy_name = coalesce(var.observer_policy_name, "${var.bucket_name}-diloco-observer")
+  observer_role_name   = coalesce(var.observer_role_name, substr("${var.bucket_name}-diloco-observer", 0, 64))
+  create_observer_role = length(var.observer_role_trusted_principals) > 0
+  sse_algorithm        = var.kms_key_arn == null ? "AES256" : "aws:kms"
 }
 
 resource "aws_s3_bucket" "exchange" {

@@ -114,7 +114,7 @@ variable "replica_role_name" {
 }
 
 variable "replica_role_external_id" {
-  description = "If set, the trusted principals must pass this sts:ExternalId when assuming the replica role."
+  description = "sts:ExternalId the trusted principals must pass when assuming the replica role. Required (16-1224 characters) whenever replica_role_trusted_principals is set, for a principal in this account as much as in another: a launcher service acting for several teams cannot then be tricked into fetching this role's credentials for someone else (confused deputy). Treat it like a password-grade random string (`openssl rand -hex 16`)."
   type        = string
   default     = null
   sensitive   = true
@@ -122,30 +122,87 @@ variable "replica_role_external_id" {
   validation {
     # coalesce: HCL evaluates every operand, and length(null) is an error.
     condition = var.replica_role_external_id == null || alltrue([
-      can(regex("^[A-Za-z0-9+=,.@:/-]+$", var.replica_role_external_id)),
-      length(coalesce(var.replica_role_external_id, "unset")) >= 2,
+      can(regex("^[A-Za-z0-9+=,.@:/-]+$", coalesce(var.replica_role_external_id, "unset"))),
+      length(coalesce(var.replica_role_external_id, "unset")) >= 16,
       length(coalesce(var.replica_role_external_id, "unset")) <= 1224,
     ])
-    error_message = "replica_role_external_id must be 2-1224 characters of letters, digits and +=,.@:/-."
+    error_message = "replica_role_external_id must be 16-1224 characters of letters, digits and +=,.@:/- (a random string, e.g. `openssl rand -hex 16`)."
   }
 }
 
 variable "replica_role_max_session_s" {
-  description = "Maximum session duration of the replica role, in seconds (3600-43200). Long runs refresh their credentials."
+  description = "Maximum session duration of the replica role, in seconds (3600-43200, default 1 h). A leaked session stops working when it expires; raise it only for runs that cannot refresh their credentials, and pass the same --duration-seconds to sts:AssumeRole."
   type        = number
-  default     = 43200
+  default     = 3600
 
   validation {
-    condition     = var.replica_role_max_session_s >= 3600 && var.replica_role_max_session_s <= 43200
-    error_message = "replica_role_max_session_s must be between 3600 and 43200 seconds."
+    condition     = var.replica_role_max_session_s >= 3600 && var.replica_role_max_session_s <= 43200 && floor(var.replica_role_max_session_s) == var.replica_role_max_session_s
+    error_message = "replica_role_max_session_s must be a whole number of seconds between 3600 and 43200."
+  }
+}
+
+variable "observer_policy_name" {
+  description = "Name of the read-only IAM policy for observers (diloco status / logs / ls). Null derives it from the bucket name."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.observer_policy_name == null || can(regex("^[A-Za-z0-9+=,.@_-]{1,128}$", var.observer_policy_name))
+    error_message = "observer_policy_name must be 1-128 characters of letters, digits and +=,.@_-."
+  }
+}
+
+variable "observer_role_trusted_principals" {
+  description = "IAM principal ARNs allowed to assume the read-only observer role. Empty (the default) creates no role: attach observer_policy_arn to an identity you manage instead."
+  type        = list(string)
+  default     = []
+
+  validation {
+    condition = alltrue([
+      for p in var.observer_role_trusted_principals :
+      can(regex("^arn:aws[a-z-]*:iam::[0-9]{12}:(root|role/.+|user/.+)$", p))
+    ])
+    error_message = "observer_role_trusted_principals must be IAM ARNs of the form arn:aws:iam::<12-digit account>:root, :role/<name> or :user/<name>; wildcards are not accepted."
+  }
+}
+
+variable "observer_role_name" {
+  description = "Name of the optional observer role. Null derives it from the bucket name."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.observer_role_name == null || can(regex("^[A-Za-z0-9+=,.@_-]{1,64}$", var.observer_role_name))
+    error_message = "observer_role_name must be 1-64 characters of letters, digits and +=,.@_-."
+  }
+}
+
+variable "observer_role_external_id" {
+  description = "sts:ExternalId the trusted principals must pass when assuming the observer role. Required (16-1224 characters) whenever observer_role_trusted_principals is set."
+  type        = string
+  default     = null
+  sensitive   = true
+
+  validation {
+    condition = var.observer_role_external_id == null || alltrue([
+      can(regex("^[A-Za-z0-9+=,.@:/-]+$", coalesce(var.observer_role_external_id, "unset"))),
+      length(coalesce(var.observer_role_external_id, "unset")) >= 16,
+      length(coalesce(var.observer_role_external_id, "unset")) <= 1224,
+    ])
+    error_message = "observer_role_external_id must be 16-1224 characters of letters, digits and +=,.@:/-."
   }
 }
 
 variable "tags" {
-  description = "Tags applied to every resource through the provider's default_tags."
+  description = "Tags applied to every resource through the provider's default_tags. Must not hold the run tag key diloco-run-id: a role tag with that key would stand in for a missing session tag and scope sessions to that run."
   type        = map(string)
   default = {
     "managed-by" = "terraform"
     "project"    = "diloco-serverless"
+  }
+
+  validation {
+    condition     = !contains([for k in keys(var.tags) : lower(k)], "diloco-run-id")
+    error_message = "tags must not contain the key diloco-run-id (in any case): it is the per-session run tag."
   }
 }

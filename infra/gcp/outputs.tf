@@ -1,5 +1,5 @@
 # The outputs `diloco launch --store-from-terraform` reads (diloco_serverless/terraform.py).
-# Renaming one breaks the CLI: tests/test_infra_contracts.py checks them.
+# Renaming one breaks the CLI: tests/infra/test_infra_contracts.py checks them.
 
 output "exchange_url" {
   description = "Store URL to launch against: gs://<bucket>/<prefix> (ends with '/')."
@@ -32,11 +32,26 @@ output "expiration_days" {
 }
 
 output "replica_service_account" {
-  description = "Email of the replica service account; give replicas its credentials (impersonation, workload identity federation, or a key you create outside Terraform)."
+  description = "Email of the shared replica service account (every run under the prefix while replica_prefix_wide is true); prefer a per-run account from run_service_accounts."
   value       = google_service_account.replica.email
 }
 
 output "replica_role_id" {
   description = "ID of the custom role bound on the bucket (projects/<project>/roles/<role>)."
   value       = google_project_iam_custom_role.replica.id
+}
+
+output "run_service_accounts" {
+  description = "Per-run service account emails by run id (from run_ids); each may touch gs://<bucket>/<prefix><run id>/ only."
+  value       = { for run_id, account in google_service_account.run : run_id => account.email }
+}
+
+output "observer_service_account" {
+  description = "Email of the read-only observer service account (storage.objects.get and storage.objects.list under the prefix) for diloco status / logs / ls."
+  value       = google_service_account.observer.email
+}
+
+output "observer_role_id" {
+  description = "ID of the observer's custom role (projects/<project>/roles/<role>)."
+  value       = google_project_iam_custom_role.observer.id
 }

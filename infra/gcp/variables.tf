@@ -125,9 +125,60 @@ variable "custom_role_id" {
 }
 
 variable "restrict_to_prefix" {
-  description = "Add an IAM condition to the bucket binding so the service account can only touch objects (and list names) under the prefix."
+  description = "Add an IAM condition to the replica and observer bindings so those service accounts can only reach objects (and list names) under the prefix. Per-run bindings (run_ids) are always conditioned on their run."
   type        = bool
   default     = true
+}
+
+variable "replica_prefix_wide" {
+  description = "Bind the shared replica service account (replica_service_account) on the whole prefix, i.e. on every run. Set it to false once each run uses its own account from run_ids, so that no credential can write or delete every run."
+  type        = bool
+  default     = true
+}
+
+variable "run_ids" {
+  description = "Run ids that get their own service account, bound on <prefix><run id>/ only (a replica of one run cannot touch another). Add a run before `diloco launch --set run_id=...`, remove it when the run is done."
+  type        = set(string)
+  default     = []
+
+  validation {
+    # Same pattern as diloco_serverless.config.RUN_ID_PATTERN: no '/', so no run reaches into another.
+    condition     = alltrue([for run_id in var.run_ids : can(regex("^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", run_id))])
+    error_message = "run_ids must be run ids: 1-128 characters of letters, digits, '.', '_' and '-', starting with a letter or digit (no '/')."
+  }
+}
+
+variable "run_service_account_prefix" {
+  description = "Start of the per-run service account IDs: <this>-<hash of the run id>, 30 characters in all."
+  type        = string
+  default     = "diloco-run"
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{2,12}[a-z0-9]$", var.run_service_account_prefix))
+    error_message = "run_service_account_prefix must be 4-14 characters of lowercase letters, digits and hyphens, starting with a letter and not ending with a hyphen."
+  }
+}
+
+variable "observer_service_account_id" {
+  description = "Account ID (the part before @) of the read-only observer service account (diloco status / logs / ls)."
+  type        = string
+  default     = "diloco-observer"
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{4,28}[a-z0-9]$", var.observer_service_account_id))
+    error_message = "observer_service_account_id must be 6-30 characters of lowercase letters, digits and hyphens, starting with a letter and not ending with a hyphen."
+  }
+}
+
+variable "observer_custom_role_id" {
+  description = "ID of the project-level custom role holding exactly storage.objects.get and storage.objects.list."
+  type        = string
+  default     = "dilocoObserverObjects"
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9_.]{3,64}$", var.observer_custom_role_id))
+    error_message = "observer_custom_role_id must be 3-64 characters of letters, digits, '_' and '.'."
+  }
 }
 
 variable "labels" {

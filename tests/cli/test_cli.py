@@ -34,7 +34,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeExecutor:
 
 def use_fake(monkeypatch: pytest.MonkeyPatch, ex: FakeExecutor) -> None:
     monkeypatch.setattr(preflight, "build_executor", lambda kind, gpu, options: ex)
-    monkeypatch.setattr(api, "executor_from_launch", lambda launch: (ex, None))
+    monkeypatch.setattr(api, "executor_from_launch", lambda launch, run_url=None: (ex, None))
 
 
 def _runs(root: Path) -> list[str]:
@@ -274,7 +274,7 @@ def test_status_without_executor_falls_back_to_heartbeats(workdir: Path, fake: F
     fake.fail_ranks = (1,)
     fake.finish = False  # ranks 0, 2, 3 still training
     url = _launched(workdir, "--detach")
-    monkeypatch.setattr(api, "executor_from_launch", lambda launch: (None, "no modal SDK here"))
+    monkeypatch.setattr(api, "executor_from_launch", lambda launch, run_url=None: (None, "no modal SDK here"))
     result = runner.invoke(app, ["status", url])
     assert result.exit_code == 0, result.output
     row = next(line for line in result.stdout.splitlines() if line.startswith("│    1 "))
@@ -333,7 +333,9 @@ def test_modal_flags_reach_the_executor(workdir: Path, s3_store_url: str, s3_env
     assert seen == {"kind": "modal", "gpu": "H100:2", "secrets": ["diloco-s3"], "retries": 5, "timeout_s": 600}
     status = runner.invoke(app, ["status", f"{s3_store_url}/m1"])
     assert "on modal (H100:2)" in status.stdout  # recorded gpu; the price is 2 x H100
-    assert ex.launched[0]["env"] == {"DILOCO_RUN_URL": f"{s3_store_url}/m1"}  # no OMP_NUM_THREADS off-machine
+    env = dict(ex.launched[0]["env"])
+    assert len(env.pop("DILOCO_RUN_KEY")) == 64  # the run key, sent as a secret (docs/security.md)
+    assert env == {"DILOCO_RUN_URL": f"{s3_store_url}/m1"}  # no OMP_NUM_THREADS off-machine
 
 
 def test_store_from_terraform_outputs(workdir: Path, fake: FakeExecutor, s3_store_url: str, s3_env: dict,

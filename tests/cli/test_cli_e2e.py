@@ -181,6 +181,8 @@ def test_hf_jobs_through_the_cli(s3_store_url: str, s3_env: dict, monkeypatch: p
         assert "run hf1 succeeded" in launched.stdout and "rounds          : 2/2" in launched.stdout
         assert f"model           : {s3_store_url}/hf1/final" in launched.stdout
         url = f"{s3_store_url}/hf1"
+        # the Hub endpoint comes from the environment, never from the handles in run.json (docs/security.md)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
         status = runner.invoke(app, ["status", url])
         rows = [line for line in status.stdout.splitlines() if line.startswith("│")]
         assert len(rows) == 2 and all("succeeded" in r for r in rows), status.output

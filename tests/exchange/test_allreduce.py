@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,11 @@ from diloco_serverless.exchange._io import shard_bounds
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.codec import (
     INT8_BLOCK,
+    MAX_HEADER_BYTES,
     ShardHeader,
     decode_shard,
+    max_object_bytes,
+    pack,
     roundtrip,
 )
 from diloco_serverless.exchange.errors import (
@@ -24,7 +28,7 @@ from diloco_serverless.exchange.errors import (
     RoundPrunedError,
 )
 from diloco_serverless.run.layout import contrib_key, quorum_key, reduced_key
-from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 from support.allreduce import (
     FAST,
     DiesAfterReady,
@@ -216,6 +220,71 @@ def test_foreign_reduced_object_is_refused_on_every_replica(url: str) -> None:
     assert set(errors) == {0, 1}
     for e in errors.values():
         assert isinstance(e, CorruptObjectError) and "another run" in str(e) and reduced_key(0, 1) in str(e)
+
+
+def _forged_reduced(codec: str, numel: int, tensors: dict[str, torch.Tensor], shard: int = 1) -> bytes:
+    """A reduced shard for run "t", round 0 that passes its checksum (which is no secret)."""
+    header = ShardHeader("t", 0, shard, "reduced", codec, numel, None, "torch.float32", [2 * numel])
+    return pack(tensors, asdict(header))
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+def test_forged_non_finite_reduced_shard_is_refused_on_every_replica(url: str, codec: str) -> None:
+    """Non-finite values never leave the store, even with a valid checksum: every replica refuses them."""
+    nan_values = torch.ones(1000)
+    nan_values[10] = float("nan")
+    tensors = {
+        "fp32": {"values": nan_values},
+        "bf16": {"values": nan_values.to(torch.bfloat16)},
+        "int8": {"q": torch.ones(1000, dtype=torch.int8), "scales": torch.tensor([1.0, float("nan"), 1.0, 1.0])},
+    }[codec]
+    key = reduced_key(0, 1)
+    ObjectStore(url).child("t").put(key, _forged_reduced(codec, 1000, tensors))
+    xs = {r: randn(2000, r) for r in range(2)}
+    outs, errors, _ = run_replicas(url, xs, 2, codec=codec)
+    assert set(errors) == {0, 1}, outs  # the owner of shard 1 finds it (create lost) and so does the other
+    for e in errors.values():
+        assert isinstance(e, CorruptObjectError) and key in str(e), e
+        assert "NaN" in str(e)
+
+
+def test_oversized_reduced_shard_is_refused_before_it_is_read_in_full(
+        url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = reduced_key(0, 1)
+    huge = _forged_reduced("fp32", 1000, {"values": torch.ones(1000 + (1 << 20))})  # 4 MiB for a 4 KB shard
+    ObjectStore(url).child("t").put(key, huge)
+    reads: list[tuple[str, int | None, int]] = []
+    original = ObjectStore.get
+
+    def get(self: ObjectStore, k: str, *, max_bytes: int | None = None) -> bytes:
+        try:
+            data = original(self, k, max_bytes=max_bytes)
+        except ObjectTooLarge:
+            reads.append((k, max_bytes, -1))
+            raise
+        reads.append((k, max_bytes, len(data)))
+        return data
+
+    monkeypatch.setattr(ObjectStore, "get", get)
+    _, errors, _ = run_replicas(url, {r: randn(2000, r) for r in range(2)}, 2)
+    assert set(errors) == {0, 1}
+    for e in errors.values():
+        assert isinstance(e, CorruptObjectError) and key in str(e) and "larger than" in str(e), e
+    limit = max_object_bytes("fp32", 1000)
+    assert limit < len(huge)
+    shard_reads = [r for r in reads if "/contrib/" in r[0] or "/reduced/" in r[0]]
+    assert shard_reads and all(m == limit for _, m, _ in shard_reads)  # every shard GET was bounded
+    assert (key, limit, -1) in shard_reads  # and the oversized one was refused, not returned
+
+
+def test_oversized_contribution_is_refused(url: str) -> None:
+    xs = {r: randn(2000, r) for r in range(2)}
+    run_replicas(url, {1: xs[1]}, 2, make=lambda u, r, w, **kw: DiesAfterReady(u, r, w, **kw))
+    store = ObjectStore(url).child("t")
+    key = contrib_key(0, 0, 1)
+    store.put(key, store.get(key) + b"\0" * (MAX_HEADER_BYTES + 8))  # one shard's payload and header bound + 8
+    _, errors, _ = run_replicas(url, {0: xs[0]}, 2)
+    assert isinstance(errors[0], CorruptObjectError) and key in str(errors[0]) and "larger than" in str(errors[0])
 
 
 def test_foreign_quorum_is_refused(url: str) -> None:

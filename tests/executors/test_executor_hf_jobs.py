@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 pytest.importorskip("huggingface_hub")
 
+from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors import ReplicaStatus
 from diloco_serverless.executors.base import (
     ExecutorUnavailable,
@@ -23,7 +26,7 @@ from diloco_serverless.executors.base import (
     handle_from_json,
 )
 from diloco_serverless.executors.hf_jobs import HFJobsExecutor
-from diloco_serverless.executors.registry import executor_for_handle, get_executor
+from diloco_serverless.executors.registry import executor_for_handle, executor_from_launch, get_executor
 from support import FAKE_REPLICA, pythonpath_env
 from support.fake_hf_jobs_server import FakeHFJobsServer
 
@@ -112,6 +115,7 @@ def test_cancel_and_poll_from_handles_in_another_executor(
     assert records[0]["endpoint"] == hub.url and "token" not in json.dumps(records)
 
     monkeypatch.setenv("HF_TOKEN", hub.token)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)  # the endpoint comes from here, never from run.json
     other_handles = [handle_from_json(r) for r in records]
     other = executor_for_handle(other_handles[0], install=None, poll_interval_s=0.1)
     assert isinstance(other, HFJobsExecutor)
@@ -154,3 +158,91 @@ def test_live_hf_jobs_smoke() -> None:
         assert results[0].ok
     finally:
         ex.cancel(handles)
+
+
+# --- run.json is writable by every replica credential: a handle never decides where the token goes ---
+
+class _Recorder:
+    """A tiny HTTP server on 127.0.0.1 that records every request's method, path and Authorization."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, str | None]] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def _record(self) -> None:
+                recorder.requests.append((self.command, self.path, self.headers.get("Authorization")))
+                body = b'{"error": "recorded"}'
+                self.send_response(404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_DELETE = _record
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def test_a_handle_endpoint_never_receives_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 1: an hf-jobs handle whose endpoint points elsewhere is refused before any request."""
+    token = "hf_user_token_that_must_not_leak"
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    recorder = _Recorder()
+    try:
+        forged = {"kind": "hf-jobs", "rank": 0, "job_id": "0123456789abcdef01234567", "namespace": "someone",
+                  "endpoint": recorder.url}
+        executor, error = executor_from_launch({"executor": "hf-jobs", "handles": [forged]})
+        if executor is not None:  # what `diloco status / logs / cancel` would then do
+            handle = handle_from_json(forged)
+            for action in (lambda: executor.poll([handle]), lambda: executor.logs(handle),
+                           lambda: executor.cancel([handle])):
+                try:
+                    action()
+                except Exception:
+                    pass
+        assert not [r for r in recorder.requests if r[2] and token in r[2]], "the token reached the handle's endpoint"
+        assert recorder.requests == []
+        assert executor is None and error is not None
+        assert f"names endpoint '{recorder.url}'" in error and "refusing to send your HF token" in error
+        assert "\n" not in error
+        with pytest.raises(ExecutorUnavailable, match="set HF_ENDPOINT to it"):
+            executor_for_handle(forged)
+        # the endpoint in use is HF_ENDPOINT (read now), or an explicit option; then the same handle is used
+        monkeypatch.setenv("HF_ENDPOINT", recorder.url + "/")
+        assert isinstance(executor_for_handle(forged), HFJobsExecutor)
+        monkeypatch.delenv("HF_ENDPOINT")
+        assert executor_for_handle(forged, endpoint=recorder.url).endpoint == recorder.url  # type: ignore[attr-defined]
+    finally:
+        recorder.close()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("job_id", "x/../../../whoami-v2"), ("job_id", None), ("namespace", "../../api/whoami-v2"),
+])
+def test_job_ids_and_namespaces_from_handles_must_be_plain_names(
+    hub: FakeHFJobsServer, monkeypatch: pytest.MonkeyPatch, field: str, value: object
+) -> None:
+    """A handle cannot steer the token to another path of the (right) endpoint either."""
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    forged = {"kind": "hf-jobs", "rank": 1, "job_id": "0123456789abcdef01234567", "namespace": "fake-user",
+              "endpoint": hub.url, field: value}
+    handle = handle_from_json(forged)
+    with pytest.raises(ExecutorError, match=rf"rank 1's handle has {field}=.*not a plain name"):
+        ex = executor_for_handle(forged, namespace="fake-user")
+        ex.poll([handle])
+    with pytest.raises(ExecutorError, match=rf"{field}=.*not a plain name"):
+        ex = executor_for_handle(forged, namespace="fake-user")
+        ex.cancel([handle])
+    assert hub.requests == []

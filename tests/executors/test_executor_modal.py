@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors import ReplicaStatus
 from diloco_serverless.executors import modal as modal_executor
 from diloco_serverless.executors._remote import ReplicaProcessError, run_replica_process
@@ -342,3 +343,43 @@ def test_live_modal_smoke() -> None:
         assert ex.collect(handles, timeout=1800)[0].ok
     finally:
         ex.cancel(handles)
+
+
+def test_forged_handle_decides_nothing_about_where_credentials_go(
+    fake_modal: FakeModal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run.json is writable by every replica credential. A Modal handle's extra settings are ignored
+    (Modal's server and profile come from this process's config), an invalid GPU does not block the
+    rebuild, and a call id that is not ``fc-...`` is refused before the SDK sees it."""
+    looked_up: list[str] = []
+    modal_module = sys.modules["modal"]
+    real_from_id = modal_module.FunctionCall.from_id
+    monkeypatch.setattr(modal_module.FunctionCall, "from_id",
+                        staticmethod(lambda call_id: (looked_up.append(call_id), real_from_id(call_id))[1]))
+    forged = {"kind": "modal", "rank": 0, "function_call_id": "fc-0/../../other", "gpu": "evil",
+              "server_url": "https://evil.example", "environment_name": "evil", "app_name": "evil",
+              "token_id": "ak-evil"}
+    other = executor_for_handle(forged)
+    assert isinstance(other, ModalExecutor)
+    assert other.gpu is None and other.environment_name is None and other.app_name is None
+    assert os.environ["MODAL_TOKEN_ID"] == "ak-fake" and "MODAL_SERVER_URL" not in os.environ
+    handle = handle_from_json(forged)
+    for action in (lambda: other.poll([handle]), lambda: other.logs(handle)):
+        with pytest.raises(ExecutorError, match=r"function_call_id='fc-0/\.\./\.\./other', not a Modal call id"):
+            action()
+    with pytest.raises(ExecutorError, match="could not cancel rank 0"):
+        other.cancel([handle])
+    assert looked_up == [] and fake_modal.cancelled == []
+
+
+def test_the_run_key_reaches_modal_replicas_in_the_call_inputs(fake_modal: FakeModal, installed_wheel: Path) -> None:
+    """Other credentials must go through named Modal Secrets; the per-run key travels with each call,
+    so a replica can verify what it reads (docs/security.md), and never lands in the handles."""
+    key = "ab" * 32
+    ex = get_executor("modal", gpu="h100", poll_interval_s=0.01)
+    env = {"DILOCO_RUN_URL": RUN_URL, "DILOCO_RUN_KEY": key, "AWS_SECRET_ACCESS_KEY": "leak"}
+    handles = ex.launch_replicas(2, "diloco_serverless.entrypoints.replica", ["--run-url", RUN_URL], env=env)
+    assert len(fake_modal.spawns) == 2
+    for _, args, _ in fake_modal.spawns:
+        assert args[3] == {"DILOCO_RUN_URL": RUN_URL, "DILOCO_RUN_KEY": key}
+    assert key not in json.dumps([h.to_json() for h in handles])

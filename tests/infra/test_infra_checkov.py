@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from support import REPO_ROOT
 
 ROOT = REPO_ROOT

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from support import REPO_ROOT
 
 pytestmark = pytest.mark.slow  # terraform init + test: tens of seconds per module
@@ -73,7 +74,8 @@ def _base_env(config: Path) -> dict[str, str]:
 def test_terraform_fmt_check(terraform_bin: str, tmp_path: Path) -> None:
     config = tmp_path / "empty.tfrc"
     config.write_text("")
-    proc = _run([terraform_bin, "fmt", "-check", "-recursive", "-diff", "-no-color", str(INFRA)], ROOT, _base_env(config))
+    args = [terraform_bin, "fmt", "-check", "-recursive", "-diff", "-no-color", str(INFRA)]
+    proc = _run(args, ROOT, _base_env(config))
     assert proc.returncode == 0, f"run `terraform fmt -recursive infra`:\n{_report(proc)}"
 
 
@@ -102,7 +104,8 @@ def initialised_module(
         "}\n"
     )
     module = work / cloud
-    shutil.copytree(INFRA / cloud, module, ignore=shutil.ignore_patterns(".terraform", ".terraform.lock.hcl", "*.tfstate*"))
+    ignore = shutil.ignore_patterns(".terraform", ".terraform.lock.hcl", "*.tfstate*")
+    shutil.copytree(INFRA / cloud, module, ignore=ignore)
     env = _base_env(config)
     proc = _run([terraform_bin, "init", "-input=false", "-backend=false", "-no-color"], module, env)
     assert proc.returncode == 0, f"terraform init for infra/{cloud} from mirror {mirror} failed:\n{_report(proc)}"

@@ -185,7 +185,7 @@ def test_attach_missing_run(tmp_path: Path) -> None:
 def test_attach_without_sdk_falls_back_to_heartbeats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = launch(_cfg(tmp_path), executor=FakeExecutor(kind="custom"))
 
-    def no_sdk(launch: dict) -> tuple[None, str]:
+    def no_sdk(launch: dict, run_url: str | None = None) -> tuple[None, str]:
         return None, "the modal executor needs the modal SDK: pip install 'diloco-serverless[modal]'"
 
     monkeypatch.setattr(api, "executor_from_launch", no_sdk)

@@ -13,7 +13,7 @@ import pytest
 
 from diloco_serverless.errors import StoreError
 from diloco_serverless.store.errors import ObjectNotFound
-from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 from diloco_serverless.store.retry import RetryPolicy
 
 BACKENDS = ["memory", "file", "s3", "gcs"]
@@ -78,6 +78,28 @@ def test_get_many(store: ObjectStore) -> None:
     assert partial == {"contrib/rank-0": b"value-0"}
     with pytest.raises(ObjectNotFound, match="contrib/rank-9"):
         store.get_many(["contrib/rank-0", "contrib/rank-9"])
+
+
+def test_get_with_max_bytes_refuses_larger_objects(store: ObjectStore) -> None:
+    for n in (0, 9, 10, 11, 1 << 20):
+        store.put(f"obj/{n}", bytes(range(256)) * (n // 256) + bytes(n % 256))
+    for n in (0, 9, 10):
+        assert store.get(f"obj/{n}", max_bytes=10) == store.get(f"obj/{n}")
+    for n in (11, 1 << 20):
+        with pytest.raises(ObjectTooLarge, match=f"obj/{n}.*larger than the 10 bytes") as info:
+            store.get(f"obj/{n}", max_bytes=10)
+        assert info.value.key == f"obj/{n}" and info.value.max_bytes == 10 and store.url in str(info.value)
+    assert store.get("obj/0", max_bytes=0) == b""
+    with pytest.raises(ObjectTooLarge):
+        store.get("obj/9", max_bytes=0)
+    with pytest.raises(ObjectNotFound):
+        store.get("obj/missing", max_bytes=10)
+    small = ["obj/0", "obj/9", "obj/10"]
+    assert store.get_many(small + ["obj/missing"], missing_ok=True, max_bytes=10) == {k: store.get(k) for k in small}
+    with pytest.raises(ObjectTooLarge, match="obj/11"):
+        store.get_many(small + ["obj/11"], max_bytes=10)
+    with pytest.raises(ValueError, match="max_bytes"):
+        store.get("obj/0", max_bytes=-1)
 
 
 def test_exists_is_about_objects(store: ObjectStore) -> None:

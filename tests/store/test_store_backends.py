@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
+from diloco_serverless.store import objectstore as objectstore_module
 from diloco_serverless.store._local import TEMP_PREFIX
-from diloco_serverless.store.objectstore import ENV_STORAGE_OPTIONS, ObjectStore
+from diloco_serverless.store.objectstore import ENV_STORAGE_OPTIONS, ObjectStore, ObjectTooLarge
 from diloco_serverless.store.retry import RetryPolicy
 
 FAST = RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.05, timeout_s=30.0)
@@ -127,6 +128,74 @@ def test_s3_get_many_batches_and_retries_only_failures(
     got = store.get_many(keys + ["contrib/0009/rank-0"], missing_ok=True)
     assert got == {key: bytes([i]) * 100 for i, key in enumerate(keys)}
     assert len(calls) == 9 + 1  # one batch of 9, then only the failed key again
+
+
+def test_s3_get_with_max_bytes_is_one_ranged_get(s3_store_url: str, s3_storage_options: dict[str, Any]) -> None:
+    """A size-limited read is a single GET of bytes 0..max_bytes (no HEAD first, even with s3fs's
+    default intra-object concurrency), so an oversized object is never downloaded in full."""
+    store = ObjectStore(s3_store_url, s3_storage_options, retry=FAST)
+    store.put("big", b"x" * (1 << 20))
+    store.put("small", b"y" * 10)
+    sent: list[tuple[str, str]] = []
+
+    def record(request: Any, **_: Any) -> None:
+        value = request.headers.get("Range")
+        sent.append((request.method, value.decode() if isinstance(value, bytes) else str(value)))
+
+    client = store.fs.s3
+    client.meta.events.register("before-send.s3", record)
+    try:
+        with pytest.raises(ObjectTooLarge, match="big"):
+            store.get("big", max_bytes=100)
+        assert store.get("small", max_bytes=100) == b"y" * 10
+        with pytest.raises(ObjectTooLarge, match="big"):
+            store.get_many(["small", "big"], max_bytes=100)
+    finally:
+        client.meta.events.unregister("before-send.s3", record)
+    assert sent == [("GET", "bytes=0-100")] * 4
+
+
+@pytest.mark.parametrize("proto", ["memory", "file"])
+def test_local_get_with_max_bytes_reads_at_most_one_byte_more(
+        proto: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ObjectStore(request.getfixturevalue(f"{proto}_store_url"))
+    store.put("big", b"x" * (4 << 20))
+    read: list[int] = []
+    if proto == "memory":
+        original = store.fs.cat_file
+
+        def cat_file(path: str, *args: Any, **kwargs: Any) -> bytes:
+            data: bytes = original(path, *args, **kwargs)
+            read.append(len(data))
+            return data
+
+        monkeypatch.setattr(store.fs, "cat_file", cat_file)
+    else:
+        class Spy:
+            def __init__(self, f: Any) -> None:
+                self.f = f
+
+            def __enter__(self) -> Spy:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                self.f.close()
+
+            def fileno(self) -> int:
+                return int(self.f.fileno())
+
+            def read(self, n: int = -1) -> bytes:
+                data: bytes = self.f.read(n)
+                read.append(len(data))
+                return data
+
+        monkeypatch.setattr(objectstore_module, "open", lambda path, mode: Spy(open(path, mode)), raising=False)
+    with pytest.raises(ObjectTooLarge, match="big"):
+        store.get("big", max_bytes=1000)
+    with pytest.raises(ObjectTooLarge, match="big"):
+        store.get_many(["big"], max_bytes=1000)
+    assert all(n <= 1001 for n in read)
+    assert store.get("big") == b"x" * (4 << 20)  # without a limit, the whole object
 
 
 # --------------------------------------------------------------------------- GCS wire

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 from pathlib import Path
@@ -99,7 +98,8 @@ def test_metrics_heartbeats_and_checkpoints(finished_run) -> None:
     tensors, info = ckpt.load_checkpoint(store, 2)
     assert info.step == 3 and any("/original_parameters/" in k for k in tensors)
     assert any("momentum_buffer" in k for k in tensors), "outer optimizer state is checkpointed"
-    assert json.loads(store.get("checkpoints/00000002/data/rank-1.json"))["position"] == 3 * 2 * 2
+    state = ckpt.read_data_state(store, 2, 1)
+    assert state is not None and state["position"] == 3 * 2 * 2
 
 
 @pytest.mark.parametrize("drop", ["last_checkpoint", "all_checkpoints"])

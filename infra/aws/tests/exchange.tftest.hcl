@@ -29,6 +29,20 @@ mock_provider "aws" {
   }
 }
 
+override_resource {
+  target = aws_iam_policy.observer
+  values = {
+    arn = "arn:aws:iam::123456789012:policy/diloco-test-exchange-diloco-observer"
+  }
+}
+
+override_resource {
+  target = aws_iam_role.observer
+  values = {
+    arn = "arn:aws:iam::123456789012:role/diloco-test-exchange-diloco-observer"
+  }
+}
+
 variables {
   bucket_name     = "diloco-test-exchange"
   region          = "us-east-1"
@@ -97,7 +111,7 @@ run "plan_secure_bucket" {
   }
 }
 
-run "apply_replica_policy_is_least_privilege" {
+run "apply_replica_policy_is_least_privilege_and_per_run" {
   # apply: the bucket ARN the policy refers to is known only after the (mocked) create.
   command = apply
 
@@ -121,16 +135,116 @@ run "apply_replica_policy_is_least_privilege" {
       for s in data.aws_iam_policy_document.replica.statement :
       [for c in s.condition : [c.test, c.variable, toset(c.values)]]
       if toset(s.actions) == toset(["s3:ListBucket"])
-    ] == [[["StringLike", "s3:prefix", toset(["diloco/*"])]]]
-    error_message = "ListBucket must be conditioned on s3:prefix = <prefix>*."
+    ] == [[["StringLike", "s3:prefix", toset(["diloco/$${aws:PrincipalTag/diloco-run-id}/*"])]]]
+    error_message = "ListBucket must be conditioned on s3:prefix = <prefix><run tag>/*: one run, not the whole prefix."
   }
 
   assert {
     condition = [
       for s in data.aws_iam_policy_document.replica.statement : [s.effect, toset(s.resources), length(s.condition)]
       if !contains(s.actions, "s3:ListBucket")
-    ] == [["Allow", toset(["arn:aws:s3:::diloco-test-exchange/diloco/*"]), 0]]
-    error_message = "Object actions must be allowed on <bucket>/<prefix>* only."
+    ] == [["Allow", toset(["arn:aws:s3:::diloco-test-exchange/diloco/$${aws:PrincipalTag/diloco-run-id}/*"]), 0]]
+    error_message = "Object actions must be allowed on <bucket>/<prefix><run tag>/* only."
+  }
+
+  assert {
+    condition     = output.run_tag_key == "diloco-run-id"
+    error_message = "run_tag_key must name the session tag the policy reads."
+  }
+}
+
+run "apply_session_policy_template_scopes_one_run" {
+  command = apply
+
+  assert {
+    condition = [
+      for s in jsondecode(output.replica_session_policy_template).Statement : s.Resource
+      ] == [
+      ["arn:aws:s3:::diloco-test-exchange"],
+      ["arn:aws:s3:::diloco-test-exchange/diloco/{{run_id}}/*"],
+    ]
+    error_message = "The session policy template must reach the bucket (list) and <prefix>{{run_id}}/* (objects) only."
+  }
+
+  assert {
+    condition     = jsondecode(output.replica_session_policy_template).Statement[0].Condition == { StringLike = { "s3:prefix" = ["diloco/{{run_id}}/*"] } }
+    error_message = "The template's listing must be limited to <prefix>{{run_id}}/*."
+  }
+
+  assert {
+    condition = toset(flatten([
+      for s in jsondecode(output.replica_session_policy_template).Statement : s.Action
+    ])) == toset(["s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"])
+    error_message = "The session policy template grants no more actions than the replica policy."
+  }
+}
+
+run "apply_observer_is_read_only" {
+  command = apply
+
+  variables {
+    observer_role_trusted_principals = ["arn:aws:iam::123456789012:user/alice"]
+    observer_role_external_id        = "observer-external-id-0123"
+  }
+
+  assert {
+    condition = [
+      for s in data.aws_iam_policy_document.observer.statement : [s.effect, toset(s.actions), toset(s.resources)]
+      ] == [
+      ["Allow", toset(["s3:ListBucket"]), toset(["arn:aws:s3:::diloco-test-exchange"])],
+      ["Allow", toset(["s3:GetObject"]), toset(["arn:aws:s3:::diloco-test-exchange/diloco/*"])],
+    ]
+    error_message = "The observer policy must grant exactly ListBucket on the bucket and GetObject under the prefix."
+  }
+
+  assert {
+    condition = [
+      for s in data.aws_iam_policy_document.observer.statement :
+      [for c in s.condition : [c.test, c.variable, toset(c.values)]]
+    ] == [[["StringLike", "s3:prefix", toset(["diloco/*"])]], []]
+    error_message = "The observer's listing must be limited to the prefix."
+  }
+
+  assert {
+    condition     = output.observer_policy_arn == "arn:aws:iam::123456789012:policy/diloco-test-exchange-diloco-observer"
+    error_message = "observer_policy_arn must be output."
+  }
+
+  assert {
+    condition     = output.observer_role_arn == "arn:aws:iam::123456789012:role/diloco-test-exchange-diloco-observer"
+    error_message = "observer_role_arn must be output when the role exists."
+  }
+
+  assert {
+    condition     = aws_iam_role.observer[0].max_session_duration == 3600 && aws_iam_role_policy_attachment.observer[0].policy_arn == aws_iam_policy.observer.arn
+    error_message = "The observer role carries the observer policy, with 1 h sessions."
+  }
+
+  assert {
+    condition = [
+      for s in data.aws_iam_policy_document.observer_trust[0].statement :
+      toset([for c in s.condition : [c.test, c.variable, toset(nonsensitive(c.values))]])
+    ] == [toset([["StringEquals", "sts:ExternalId", toset(["observer-external-id-0123"])]])]
+    error_message = "The observer trust policy must demand the ExternalId."
+  }
+}
+
+run "plan_default_session_is_one_hour" {
+  command = plan
+
+  variables {
+    replica_role_trusted_principals = ["arn:aws:iam::123456789012:user/diloco-launcher"]
+    replica_role_external_id        = "0123456789abcdef0123"
+  }
+
+  assert {
+    condition     = aws_iam_role.replica[0].max_session_duration == 3600
+    error_message = "Replica sessions must last at most 1 h by default."
+  }
+
+  assert {
+    condition     = length(aws_iam_role.observer) == 0 && output.observer_role_arn == null
+    error_message = "No observer role is created without observer principals."
   }
 }
 
@@ -172,6 +286,45 @@ run "apply_with_replica_role" {
   assert {
     condition     = aws_s3_bucket.exchange.force_destroy == true
     error_message = "force_destroy must follow its variable."
+  }
+
+  assert {
+    condition = [
+      for s in data.aws_iam_policy_document.replica_trust[0].statement :
+      [toset(s.actions), toset([for c in s.condition : [c.test, c.variable, toset(nonsensitive(c.values))]])]
+      ] == [
+      [toset(["sts:AssumeRole"]), toset([
+        ["StringEquals", "sts:ExternalId", toset(["test-external-id"])],
+        ["StringLike", "aws:RequestTag/diloco-run-id", toset(["?*"])],
+      ])],
+      [toset(["sts:TagSession"]), toset([
+        ["ForAllValues:StringEquals", "aws:TagKeys", toset(["diloco-run-id"])],
+        ["StringLike", "aws:RequestTag/diloco-run-id", toset(["?*"])],
+        ["StringNotLike", "aws:RequestTag/diloco-run-id", toset(["*/*"])],
+        ["ForAllValues:StringEquals", "sts:TransitiveTagKeys", toset(["diloco-run-id"])],
+      ])],
+    ]
+    error_message = "The trust policy must demand the ExternalId and the run tag, and allow sts:TagSession with the diloco-run-id key only."
+  }
+
+  assert {
+    condition     = aws_iam_role.replica[0].max_session_duration == 3600
+    error_message = "Replica sessions must last at most 1 h by default."
+  }
+}
+
+run "apply_with_longer_sessions" {
+  command = apply
+
+  variables {
+    replica_role_trusted_principals = ["arn:aws:iam::210987654321:role/launcher"]
+    replica_role_external_id        = "0123456789abcdef0123"
+    replica_role_max_session_s      = 43200
+  }
+
+  assert {
+    condition     = aws_iam_role.replica[0].max_session_duration == 43200
+    error_message = "replica_role_max_session_s must set the role's maximum session."
   }
 }
 
@@ -263,4 +416,86 @@ run "rejects_one_character_external_id" {
   }
 
   expect_failures = [var.replica_role_external_id]
+}
+
+run "rejects_role_without_external_id" {
+  command = plan
+
+  variables {
+    replica_role_trusted_principals = ["arn:aws:iam::210987654321:root"]
+  }
+
+  expect_failures = [data.aws_iam_policy_document.replica_trust]
+}
+
+run "rejects_same_account_role_without_external_id" {
+  command = plan
+
+  variables {
+    replica_role_trusted_principals = ["arn:aws:iam::123456789012:role/launcher"]
+  }
+
+  expect_failures = [data.aws_iam_policy_document.replica_trust]
+}
+
+run "rejects_fifteen_character_external_id" {
+  command = plan
+
+  variables {
+    replica_role_trusted_principals = ["arn:aws:iam::210987654321:root"]
+    replica_role_external_id        = "0123456789abcde"
+  }
+
+  expect_failures = [var.replica_role_external_id]
+}
+
+run "rejects_replica_role_trusting_itself" {
+  command = plan
+
+  variables {
+    replica_role_trusted_principals = ["arn:aws:iam::123456789012:role/diloco-test-exchange-diloco-replica"]
+    replica_role_external_id        = "0123456789abcdef0123"
+  }
+
+  expect_failures = [data.aws_iam_policy_document.replica_trust]
+}
+
+run "rejects_observer_role_without_external_id" {
+  command = plan
+
+  variables {
+    observer_role_trusted_principals = ["arn:aws:iam::210987654321:user/alice"]
+  }
+
+  expect_failures = [data.aws_iam_policy_document.observer_trust]
+}
+
+run "rejects_session_longer_than_12_hours" {
+  command = plan
+
+  variables {
+    replica_role_max_session_s = 43201
+  }
+
+  expect_failures = [var.replica_role_max_session_s]
+}
+
+run "rejects_session_shorter_than_1_hour" {
+  command = plan
+
+  variables {
+    replica_role_max_session_s = 1800
+  }
+
+  expect_failures = [var.replica_role_max_session_s]
+}
+
+run "rejects_run_tag_in_default_tags" {
+  command = plan
+
+  variables {
+    tags = { "Diloco-Run-Id" = "run-a" }
+  }
+
+  expect_failures = [var.tags]
 }

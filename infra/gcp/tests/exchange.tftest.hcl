@@ -15,6 +15,27 @@ mock_provider "google" {
   }
 }
 
+override_resource {
+  target = google_service_account.observer
+  values = {
+    email = "diloco-observer@diloco-test-project.iam.gserviceaccount.com"
+  }
+}
+
+override_resource {
+  target = google_project_iam_custom_role.observer
+  values = {
+    id = "projects/diloco-test-project/roles/dilocoObserverObjects"
+  }
+}
+
+override_resource {
+  target = google_service_account.run
+  values = {
+    email = "diloco-run@diloco-test-project.iam.gserviceaccount.com"
+  }
+}
+
 variables {
   project_id      = "diloco-test-project"
   bucket_name     = "diloco-test-exchange"
@@ -90,28 +111,113 @@ run "apply_replica_access_is_least_privilege" {
   }
 
   assert {
-    condition     = google_storage_bucket_iam_member.replica.bucket == "diloco-test-exchange"
+    condition     = google_storage_bucket_iam_member.replica[0].bucket == "diloco-test-exchange"
     error_message = "The role must be bound on the exchange bucket."
   }
 
   assert {
-    condition     = google_storage_bucket_iam_member.replica.role == "projects/diloco-test-project/roles/dilocoReplicaObjects"
+    condition     = google_storage_bucket_iam_member.replica[0].role == "projects/diloco-test-project/roles/dilocoReplicaObjects"
     error_message = "The binding must use the custom role."
   }
 
   assert {
-    condition     = google_storage_bucket_iam_member.replica.member == "serviceAccount:diloco-replica@diloco-test-project.iam.gserviceaccount.com"
+    condition     = google_storage_bucket_iam_member.replica[0].member == "serviceAccount:diloco-replica@diloco-test-project.iam.gserviceaccount.com"
     error_message = "The binding must name the replica service account."
   }
 
   assert {
-    condition     = strcontains(one(google_storage_bucket_iam_member.replica.condition).expression, "projects/_/buckets/diloco-test-exchange/objects/diloco/")
+    condition     = strcontains(one(google_storage_bucket_iam_member.replica[0].condition).expression, "projects/_/buckets/diloco-test-exchange/objects/diloco/")
     error_message = "The binding must be conditioned on the run prefix."
   }
 
   assert {
     condition     = output.replica_service_account == "diloco-replica@diloco-test-project.iam.gserviceaccount.com"
     error_message = "replica_service_account must be output."
+  }
+
+  assert {
+    condition     = length(google_service_account.run) == 0 && length(output.run_service_accounts) == 0
+    error_message = "No per-run service account without run_ids."
+  }
+}
+
+run "apply_observer_is_read_only" {
+  command = apply
+
+  assert {
+    condition     = toset(google_project_iam_custom_role.observer.permissions) == toset(["storage.objects.get", "storage.objects.list"])
+    error_message = "The observer role must hold exactly storage.objects.get and storage.objects.list."
+  }
+
+  assert {
+    condition = [
+      google_storage_bucket_iam_member.observer.bucket,
+      google_storage_bucket_iam_member.observer.role,
+      google_storage_bucket_iam_member.observer.member,
+      ] == [
+      "diloco-test-exchange",
+      "projects/diloco-test-project/roles/dilocoObserverObjects",
+      "serviceAccount:diloco-observer@diloco-test-project.iam.gserviceaccount.com",
+    ]
+    error_message = "The observer role must be bound on the exchange bucket for the observer service account."
+  }
+
+  assert {
+    condition     = strcontains(one(google_storage_bucket_iam_member.observer.condition).expression, "projects/_/buckets/diloco-test-exchange/objects/diloco/")
+    error_message = "The observer binding must be conditioned on the prefix."
+  }
+
+  assert {
+    condition     = output.observer_service_account == "diloco-observer@diloco-test-project.iam.gserviceaccount.com" && output.observer_role_id == "projects/diloco-test-project/roles/dilocoObserverObjects"
+    error_message = "observer_service_account and observer_role_id must be output."
+  }
+}
+
+run "apply_per_run_service_accounts" {
+  command = apply
+
+  variables {
+    run_ids             = ["run-a", "run-20261129-214455-ab12"]
+    replica_prefix_wide = false
+  }
+
+  assert {
+    condition     = toset(keys(google_service_account.run)) == toset(["run-a", "run-20261129-214455-ab12"])
+    error_message = "Each run id gets its own service account."
+  }
+
+  assert {
+    condition = alltrue([
+      for run_id, account in google_service_account.run :
+      account.account_id == "diloco-run-${substr(sha256(run_id), 0, 19)}" && length(account.account_id) == 30
+    ])
+    error_message = "Per-run account IDs are diloco-run-<19 hex of sha256(run id)>, 30 characters."
+  }
+
+  assert {
+    condition = alltrue([
+      for run_id, binding in google_storage_bucket_iam_member.run :
+      binding.bucket == "diloco-test-exchange" && binding.role == "projects/diloco-test-project/roles/dilocoReplicaObjects"
+    ])
+    error_message = "Per-run bindings use the replica role on the exchange bucket."
+  }
+
+  assert {
+    condition = one(google_storage_bucket_iam_member.run["run-a"].condition).expression == join(" || ", [
+      "resource.name.startsWith(\"projects/_/buckets/diloco-test-exchange/objects/diloco/run-a/\")",
+      "api.getAttribute(\"storage.googleapis.com/objectListPrefix\", \"\").startsWith(\"diloco/run-a/\")",
+    ])
+    error_message = "A per-run binding must be conditioned on <prefix><run id>/ for objects and listings."
+  }
+
+  assert {
+    condition     = length(google_storage_bucket_iam_member.replica) == 0
+    error_message = "replica_prefix_wide = false must drop the prefix-wide replica binding."
+  }
+
+  assert {
+    condition     = toset(keys(output.run_service_accounts)) == toset(["run-a", "run-20261129-214455-ab12"])
+    error_message = "run_service_accounts must map every run id to its account."
   }
 }
 
@@ -130,8 +236,8 @@ run "apply_with_cmek_and_no_prefix_condition" {
   }
 
   assert {
-    condition     = length(google_storage_bucket_iam_member.replica.condition) == 0
-    error_message = "restrict_to_prefix = false must drop the IAM condition."
+    condition     = length(google_storage_bucket_iam_member.replica[0].condition) == 0 && length(google_storage_bucket_iam_member.observer.condition) == 0
+    error_message = "restrict_to_prefix = false must drop the IAM conditions."
   }
 
   assert {
@@ -188,4 +294,14 @@ run "rejects_project_number_as_project_id" {
   }
 
   expect_failures = [var.project_id]
+}
+
+run "rejects_run_id_with_slash" {
+  command = plan
+
+  variables {
+    run_ids = ["run-a/../run-b"]
+  }
+
+  expect_failures = [var.run_ids]
 }
