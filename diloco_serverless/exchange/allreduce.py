@@ -230,8 +230,12 @@ class ObjectStoreAllReduce:
         self._finish(rs, t0)
         return out.view(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
 
-    def read_reduced(self, round: int, like: torch.Tensor) -> torch.Tensor | None:
-        """Replay a stored round's result (healing); ``None`` if the round is absent or pruned.
+    def read_reduced(
+        self, round: int, like: torch.Tensor, *, unless_participant: int | None = None
+    ) -> torch.Tensor | None:
+        """Replay a stored round's result (healing); ``None`` if the round is absent or pruned, or
+        if rank ``unless_participant`` took part in it (a restarted replica that restored its own
+        state re-trains such a round instead, so it ends exactly as if it had never crashed).
 
         Raises :class:`MismatchError` if the stored round averaged a different element count
         than ``like``, :class:`CorruptObjectError` for a bad object.
@@ -239,7 +243,7 @@ class ObjectStoreAllReduce:
         if self._io is None:
             return None
         quorum = read_quorum(self._io, run_id=self.run_id, round=round, run_key=self._run_key)
-        if quorum is None:
+        if quorum is None or (unless_participant is not None and unless_participant in quorum.participants):
             return None
         ref = quorum.markers[quorum.participants[0]]
         if ref.numel != like.numel():
@@ -404,6 +408,13 @@ class ObjectStoreAllReduce:
         io = self._io
         assert io is not None
         a, b = rs.bounds[j]
+        if rs.own is None and self.rank in quorum.participants:
+            # A participant that did not publish in this call is re-running a round it took part in
+            # before it restarted: its shard may be reduced already.
+            stored = io.get_or_none(reduced_key(rs.r, j))
+            if stored is not None:
+                expect = self._reduced_header(rs.r, j, (a, b), ref)
+                return decode_shard(stored, key=reduced_key(rs.r, j), expect=expect, run_key=self._run_key)
         use_own = rs.own is not None and self.rank in quorum.participants
         keys = {q: contrib_key(rs.r, j, q) for q in quorum.participants if not (use_own and q == self.rank)}
         pending = {k: rs.prefetch.pop(k) for k in keys.values() if k in rs.prefetch}
@@ -459,6 +470,14 @@ class ObjectStoreAllReduce:
 
     def _reduced_header(self, r: int, j: int, bounds: tuple[int, int], ref: ReadyMarker) -> ShardHeader:
         return ShardHeader(self.run_id, r, j, "reduced", ref.codec, bounds[1] - bounds[0], None, ref.dtype, ref.shape)
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals carried to the next round, by key (for exact resume)."""
+        return {k: v.clone() for k, v in self._residuals.items()}
+
+    def load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`residuals` returned."""
+        self._residuals = {k: v.to(torch.float32).clone() for k, v in residuals.items()}
 
     def _add_residual(self, flat: torch.Tensor, key: str) -> torch.Tensor:
         res = self._residuals.get(key)

@@ -49,6 +49,9 @@ __all__ = [
     "prune_checkpoints",
     "read_data_state",
     "save_checkpoint",
+    "save_replica_state",
+    "load_replica_state",
+    "complete_rounds",
     "final_exists",
     "sync_initial_parameters",
     "write_final",
@@ -171,7 +174,7 @@ def _advance_latest(store: ObjectStore, round_: int, step: int) -> None:
     store.put_json(LATEST_CHECKPOINT_KEY, {"round": round_, "step": step, "time": time.time()})
 
 
-def _complete_rounds(store: ObjectStore) -> list[int]:
+def complete_rounds(store: ObjectStore) -> list[int]:
     """Rounds whose manifest and every shard marker exist, ascending."""
     by_round: dict[int, set[str]] = {}
     for key in store.list("checkpoints/"):
@@ -193,7 +196,7 @@ def _complete_rounds(store: ObjectStore) -> list[int]:
 
 def find_latest_checkpoint(store: ObjectStore) -> int | None:
     """The newest complete checkpoint's round, or None when the run has none."""
-    rounds = _complete_rounds(store)
+    rounds = complete_rounds(store)
     return rounds[-1] if rounds else None
 
 
@@ -307,13 +310,64 @@ def safe_open_metadata(blob: bytes) -> dict[str, str] | None:
     return meta if isinstance(meta, dict) else None
 
 
-def _tensors_mac(run_key: bytes, tensors: dict[str, torch.Tensor]) -> str:
+def _tensors_mac(run_key: bytes, tensors: dict[str, torch.Tensor], kind: str = "initial-parameters",
+                 extra: bytes = b"") -> str:
+    """The run's HMAC over every tensor (name, dtype, shape, bytes) and ``extra``, bound to ``kind``."""
     digest = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         digest.update(f"{name}\x00{t.dtype}\x00{list(t.shape)}\x00".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return mac_bytes(run_key, "initial-parameters", digest.digest())
+    digest.update(b"\x00" + extra)
+    return mac_bytes(run_key, kind, digest.digest())
+
+
+# ------------------------------------------------------------------------------ per-replica state
+def _replica_key(round_: int, rank: int) -> str:
+    return f"{checkpoint_prefix(round_)}/replica/rank-{rank}.safetensors"
+
+
+def save_replica_state(store: ObjectStore, round_: int, rank: int, tensors: dict[str, torch.Tensor],
+                       doc: dict[str, Any], run_key: bytes | None = None) -> None:
+    """Store rank ``rank``'s own state at checkpoint ``round_`` (inner optimizer moments, RNG, codec
+    residuals as ``tensors``; schedule positions as the JSON ``doc``), signed with the run key.
+
+    With it a restarted replica continues exactly where it was (:func:`load_replica_state`).
+    """
+    text = json.dumps({"round": round_, "rank": rank, **doc}, sort_keys=True, allow_nan=False)
+    metadata = {"format": str(FORMAT), "doc": text}
+    if run_key is not None:
+        metadata["mac"] = _tensors_mac(run_key, tensors, "replica-state", text.encode())
+    store.put(_replica_key(round_, rank), st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+
+
+def load_replica_state(store: ObjectStore, round_: int, rank: int,
+                       run_key: bytes | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """Rank ``rank``'s state saved with checkpoint ``round_``: (tensors, doc), or None if it wrote none.
+
+    Raises :class:`CheckpointCorrupt` naming the object when it is unreadable, not this rank's
+    state of that round, or (with ``run_key``) not signed with the run's key.
+    """
+    key = _replica_key(round_, rank)
+    try:
+        blob = store.get(key)
+    except ObjectNotFound:
+        return None
+    where = f"{store.url}/{key}"
+    meta = safe_open_metadata(blob) or {}
+    try:
+        tensors = st_load(blob)
+        doc = json.loads(meta["doc"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise CheckpointCorrupt(f"{where} is not a replica state ({exc}); delete it to resume without it") from exc
+    if run_key is not None:
+        tag = meta.get("mac")
+        want = _tensors_mac(run_key, tensors, "replica-state", str(meta["doc"]).encode())
+        if not isinstance(tag, str) or not hmac.compare_digest(tag, want):
+            raise CheckpointCorrupt(f"{where} does not carry this run's signature; refusing it (docs/security.md)")
+    if not isinstance(doc, dict) or doc.get("round") != round_ or doc.get("rank") != rank:
+        raise CheckpointCorrupt(f"{where} is not rank {rank}'s state of round {round_}")
+    return tensors, doc
 
 
 def sync_initial_parameters(store: ObjectStore, model: torch.nn.Module, run_key: bytes | None = None) -> bool:

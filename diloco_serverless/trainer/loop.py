@@ -41,7 +41,7 @@ import torch
 
 from diloco_serverless.config import TRUST_REMOTE_CODE_ENV, RunConfig
 from diloco_serverless.data.builder import BatchBuilder, make_reference_model
-from diloco_serverless.errors import ConfigError
+from diloco_serverless.errors import ConfigError, StoreError, one_line
 from diloco_serverless.loss import TAIDScheduler, compose_loss
 from diloco_serverless.run.integrity import RUN_KEY_ENV, run_key_from_env
 from diloco_serverless.run.members import (
@@ -142,6 +142,7 @@ class ReplicaTrainer:
         self.bytes_up = self.bytes_down = 0
         self.replayed = self.trained = 0
         self.abstentions = 0
+        self.prune_failures = 0
         self._note: str | None = None  # shown in the heartbeats of the round after an abstention
         self.last_eval: float | None = None
         self.metrics: list[dict[str, Any]] = []
@@ -234,7 +235,11 @@ class ReplicaTrainer:
             if state is not None:
                 self.data.load_state_dict(state)
                 position = self.data.position
-            logger.info("rank %d: loaded checkpoint of round %d (step %d)", self.rank, latest, info.step)
+            own = ckpt.load_replica_state(self.store, latest, self.rank, self.run_key)
+            if own is not None:
+                self._restore_replica_state(*own)
+            logger.info("rank %d: loaded checkpoint of round %d (step %d)%s", self.rank, latest, info.step,
+                        " with this replica's own state" if own is not None else "")
         replayed = self.rep.catch_up(self.total_rounds)
         self.replayed += replayed
         gained = self.manager.current_step() - before
@@ -246,6 +251,52 @@ class ReplicaTrainer:
                 implied if position is None else position + replayed * per_round * self.cfg.data.batch_size
             )
         return gained
+
+    def _replica_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What this replica alone knows and a restart would otherwise lose: the inner optimizer's
+        moments and step counts, its hyper-parameters, the TAID scheduler, the RNG, codec residuals."""
+        opt = self.inner.state_dict()
+        tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
+        scalars: dict[str, dict[str, Any]] = {}
+        for idx, entry in opt["state"].items():
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{idx}/{name}"] = value.detach().to("cpu")
+                else:
+                    scalars.setdefault(str(idx), {})[name] = value
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device)
+        residuals = getattr(getattr(self.manager, "exchange", None), "residuals", None)
+        for key, value in (residuals() if callable(residuals) else {}).items():
+            tensors[f"residual/{key}"] = value
+        doc = {
+            "param_groups": opt["param_groups"],
+            "optim_scalars": scalars,
+            "taid": self.taid.state_dict() if self.taid is not None else None,
+            "inner_steps": self.inner_steps,
+        }
+        return tensors, doc
+
+    def _restore_replica_state(self, tensors: dict[str, torch.Tensor], doc: dict[str, Any]) -> None:
+        """Put back what :meth:`_replica_state` saved (after the global checkpoint was loaded); from then
+        on, rounds this rank took part in are re-trained rather than replayed (exact resume)."""
+        state: dict[int, dict[str, Any]] = {}
+        for name, value in tensors.items():
+            if name.startswith("optim/"):
+                _, idx, field_name = name.split("/", 2)
+                state.setdefault(int(idx), {})[field_name] = value
+        for idx, extra in doc.get("optim_scalars", {}).items():
+            state.setdefault(int(idx), {}).update(extra)
+        self.inner.load_state_dict({"state": state, "param_groups": doc["param_groups"]})
+        torch.set_rng_state(tensors["rng/torch"])
+        if "rng/cuda" in tensors and torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.set_rng_state(tensors["rng/cuda"], self.device)
+        load_residuals = getattr(getattr(self.manager, "exchange", None), "load_residuals", None)
+        if callable(load_residuals):
+            load_residuals({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("residual/")})
+        if self.taid is not None and doc.get("taid") is not None:
+            self.taid.load_state_dict(doc["taid"])
+        self.manager.retrain_own_rounds = True
 
     def check_checkpoint_compatible(self) -> None:
         """Raise CheckpointMismatch before training if the run's newest checkpoint does not fit the model."""
@@ -422,6 +473,8 @@ class ReplicaTrainer:
         """Write this rank's shard of the global checkpoint of the last round; prune what it makes obsolete."""
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
         round_ = self.manager.current_step() - 1
+        own, doc = self._replica_state()
+        ckpt.save_replica_state(self.store, round_, self.rank, own, doc, self.run_key)
         tensors, meta = self.rep.state_tensors()
         ckpt.save_checkpoint(
             self.store,
@@ -437,12 +490,23 @@ class ReplicaTrainer:
         )
         participants = record.participants if record and record.participants else [0]
         if self.rank == min(participants):
+            self._prune(round_)
+
+    def _prune(self, round_: int) -> None:
+        """Delete rounds and checkpoints that checkpoint ``round_`` made obsolete. Cleanup never stops
+        a replica: a store error is logged, and the next checkpoint's pruning (which removes
+        everything older than it) picks up what this one left."""
+        try:
             keep = self.cfg.exchange.keep_rounds
             if keep is not None:
                 self.manager.prune(min(round_ + 1, self.manager.current_step() - keep))
-            older = [r for r in ckpt._complete_rounds(self.store) if r < round_]
+            older = [r for r in ckpt.complete_rounds(self.store) if r < round_]
             if older:
                 ckpt.prune_checkpoints(self.store, older[-1])
+        except StoreError as exc:
+            self.prune_failures += 1
+            logger.warning("rank %d: pruning after checkpoint %d failed (retried after the next one): %s",
+                           self.rank, round_, one_line(str(exc)))
 
     def _finish(self) -> TrainResult:
         self.rep.reset_to_global()

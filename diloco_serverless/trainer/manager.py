@@ -162,6 +162,10 @@ class ManagerBase(abc.ABC):
         #: Set by the train loop when this replica must not contribute to the next round (its loss
         #: was not finite); the exchange then only receives the others' mean. Cleared per round.
         self.abstain_reason: str | None = None
+        #: Set by the train loop once it restored this replica's own state from a checkpoint: stored
+        #: rounds this rank took part in are then re-trained (same data, same state, same bytes
+        #: contributed) instead of replayed, so a crash changes nothing in the final model.
+        self.retrain_own_rounds = False
 
     # -- subclass hooks -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -441,7 +445,8 @@ class ObjectStoreManager(ManagerBase):
         return result
 
     def _read_round(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
-        return self.exchange.read_reduced(round_, like)
+        unless = self.rank if self.retrain_own_rounds else None
+        return self.exchange.read_reduced(round_, like, unless_participant=unless)
 
     def prune(self, before_round: int) -> None:
         """Delete stored rounds older than ``before_round`` (after a complete checkpoint)."""
