@@ -21,6 +21,7 @@ dotted field, the offending value, what is allowed, and where the value came fro
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import secrets as _secrets
 import sys
@@ -33,6 +34,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -48,6 +50,9 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "DataConfig",
+    "DataColumns",
+    "DataFormat",
+    "HF_SOURCE_PREFIX",
     "MIN_RESPONSE_TOKENS",
     "InnerConfig",
     "OuterConfig",
@@ -61,10 +66,14 @@ __all__ = [
     "STRAGGLER_TIMEOUT_S",
     "TAKEOVER_TIMEOUT_S",
     "POLL_INTERVAL_S",
+    "STORE_TIMEOUT_S",
     "tomllib",
     "Codec",
     "TRUST_REMOTE_CODE_ENV",
     "RUN_KEY_ENV",
+    "TrackingConfig",
+    "TrackingBackend",
+    "HubConfig",
 ]
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -88,8 +97,28 @@ class ModelConfig(_Section):
         description='"tiny" (a ~1M-parameter Qwen2 with a byte-level tokenizer, random init, nothing '
         "downloaded) or a Hugging Face model name / local directory loaded with AutoModelForCausalLM.",
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Parameter dtype of the model replicas train. Outer state and reduction stay fp32."
+    precision: Literal["fp32", "bf16-autocast", "bf16"] = Field(
+        "fp32",
+        description='"fp32"; "bf16-autocast": fp32 parameters (master weights) and inner optimizer state, forward '
+        'and backward under bf16 autocast; "bf16": bf16 parameters and inner optimizer state. The global '
+        "parameters, outer momentum and the exchange's reduction stay fp32 in every mode.",
+    )
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None,
+        description='Parameter dtype of the model replicas train; unset follows model.precision (bfloat16 for "bf16", '
+        'float32 otherwise). "bfloat16" alone means precision "bf16".',
+    )
+    attn_implementation: str = Field(
+        "sdpa",
+        description='Attention kernel of the transformers model: "sdpa" (torch scaled_dot_product_attention), '
+        '"eager", "flash_attention_2" (needs flash-attn), ...',
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations during backward: less activation memory, about a third more compute."
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the model (in place); the first steps of each shape are slow while it compiles.",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a named model.")
     trust_remote_code: bool = Field(
@@ -103,10 +132,69 @@ class ModelConfig(_Section):
             raise ValueError('must be "tiny" or a Hugging Face model name, not empty')
         return v
 
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attn_not_empty(cls, v: str) -> str:
+        if not v.strip() or v != v.strip():
+            raise ValueError('must name an attention implementation such as "sdpa" or "eager"')
+        return v
+
+    @model_validator(mode="after")
+    def _dtype_fits_precision(self) -> ModelConfig:
+        if self.dtype == "float32" and self.precision == "bf16":
+            raise ValueError(
+                'model.precision="bf16" trains bfloat16 parameters; unset model.dtype or set it to "bfloat16"'
+            )
+        if self.dtype == "bfloat16" and self.precision == "bf16-autocast":
+            raise ValueError(
+                'model.precision="bf16-autocast" keeps fp32 master weights; unset model.dtype or set it to "float32"'
+            )
+        return self
+
+    @property
+    def param_dtype(self) -> Literal["float32", "bfloat16"]:
+        """The dtype of the trained parameters: bfloat16 for precision "bf16" (or dtype "bfloat16")."""
+        return "bfloat16" if self.precision == "bf16" or self.dtype == "bfloat16" else "float32"
+
+    @property
+    def autocast(self) -> bool:
+        """True when forward and backward run under bf16 autocast (precision "bf16-autocast")."""
+        return self.precision == "bf16-autocast"
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` that is <= ``at_most`` (for a micro_batch_size suggestion)."""
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
 
 MIN_RESPONSE_TOKENS = 8
 """Least ``data.seq_len - data.prompt_len``: the stdlib builder needs >= 2 response tokens (two pieces
 to shuffle into the rejected answer); 8 keeps the examples meaningful."""
+
+
+DataFormat = Literal["auto", "text", "chat", "prompt_response", "preference"]
+#: ``data.source`` prefix of a Hugging Face Hub dataset (``hf:HuggingFaceFW/fineweb-edu``).
+HF_SOURCE_PREFIX = "hf:"
+_HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class DataColumns(_Section):
+    """Column names of a datasets source (``data.columns.prompt = "question"``); docs/data.md."""
+
+    text: str = Field("text", description='format "text": the column holding each document.')
+    messages: str = Field("messages", description='format "chat": the column of [{role, content}, ...] messages.')
+    prompt: str = Field("prompt", description="prompt_response / preference: the prompt (a string or messages).")
+    response: str = Field("response", description="prompt_response: the response string.")
+    chosen: str = Field("chosen", description="preference (optional in prompt_response): the preferred response.")
+    rejected: str = Field("rejected", description="preference (optional in prompt_response): the rejected response.")
+    hint: str = Field("hint", description="Optional: the hint the self-distillation teacher reads (chat, ...).")
+
+    @field_validator("*")
+    @classmethod
+    def _column_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must name a column, not be empty")
+        return v
 
 
 class DataConfig(_Section):
@@ -114,29 +202,95 @@ class DataConfig(_Section):
 
     source: str = Field(
         "stdlib",
-        description='"stdlib" (the Python standard library\'s own .py files) or a JSONL file: a local path or '
-        "any fsspec URL (s3://, gs://, ...) of records {prompt, response, hint?, chosen?, rejected?}.",
+        description='"stdlib" (the Python standard library\'s own .py files), "hf:<repo id>" (a Hugging Face Hub '
+        "dataset), or a local path / fsspec URL (s3://, gs://, ...) of a JSONL file, of parquet / jsonl / json / "
+        "csv / arrow / txt files (a file, glob or folder) or of a save_to_disk folder. docs/data.md.",
+    )
+    format: DataFormat = Field(
+        "auto",
+        description='"text" (packed continued pretraining), "chat" (messages), "prompt_response", "preference", or '
+        '"auto": stdlib and a .jsonl file keep their own reader, datasets sources are detected from the columns.',
+    )
+    columns: DataColumns = Field(default_factory=DataColumns, description="[data.columns] section.")
+    config: str | None = Field(None, description="datasets sources: the dataset configuration (subset) name.")
+    split: str = Field("train", description="datasets sources: the split replicas train on.")
+    eval_split: str | None = Field(
+        None, description="datasets sources: a split to evaluate on; unset holds out data.eval_fraction instead."
+    )
+    revision: str | None = Field(None, description="hf: sources: Hub revision (branch, tag or commit).")
+    streaming: bool | None = Field(
+        None, description="datasets sources: stream records instead of preparing a local copy; unset = on for hf:."
+    )
+    shuffle_buffer: int = Field(
+        1000, ge=1, le=1_000_000, description="Streamed sources: records shuffled together (a seeded window)."
+    )
+    prefetch: int = Field(
+        2, ge=0, le=64, description="Batches a background thread tokenizes ahead of the inner loop; 0 = inline."
     )
     seq_len: int = Field(128, ge=16, le=32768, description="Tokens per student sequence (prompt + response).")
     batch_size: int = Field(8, ge=1, description="Sequences per inner step per replica.")
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per forward/backward pass: each inner step accumulates batch_size / micro_batch_size "
+        "passes into the gradient of the whole batch. Must divide data.batch_size; unset = batch_size (one pass).",
+    )
     prompt_len: int = Field(
         32, ge=1, description="stdlib corpus: max tokens of preceding code used as the prompt (<= seq_len - 8)."
     )
     hint_len: int = Field(
         64,
         ge=0,
-        description="Max tokens of the hint (file path + module docstring) the self-distillation teacher sees.",
+        description="Max tokens the hint adds to the self-distillation teacher's prompt (stdlib: the file path + "
+        "module docstring; other sources: the hint column).",
     )
     eval_fraction: float = Field(
-        0.05, gt=0.0, lt=1.0, description="stdlib / JSONL: share of files (records) held out for eval, by path hash."
+        0.05, gt=0.0, lt=1.0,
+        description="Share of files (stdlib) or records held out for eval, by hash; unused with data.eval_split.",
     )
     eval_batches: int = Field(4, ge=1, description="Batches of the held-out split per evaluation.")
+
+    @field_validator("source")
+    @classmethod
+    def _source_form(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError('must be "stdlib", "hf:<repo id>" or a path / URL of your data')
+        if v.startswith(HF_SOURCE_PREFIX) and not _HF_REPO_ID.match(v[len(HF_SOURCE_PREFIX):]):
+            raise ValueError('must name a Hub dataset after "hf:", e.g. "hf:HuggingFaceFW/fineweb-edu"')
+        return v
+
+    @model_validator(mode="after")
+    def _source_options(self) -> DataConfig:
+        """Options of the datasets reader are refused where they would be ignored."""
+        if self.source == "stdlib":
+            options = ("config", "eval_split", "revision", "streaming")
+            given = [f"data.{k}" for k in options if getattr(self, k) is not None]
+            if self.format != "auto" or given:
+                raise ValueError(
+                    f'data.source="stdlib" has its own examples; {", ".join(given) or "data.format"} applies to '
+                    '"hf:..." and file sources only (unset it, or point data.source at your data)'
+                )
+        if self.eval_split is not None and self.eval_split == self.split:
+            raise ValueError(
+                f"data.eval_split ({self.eval_split!r}) must differ from data.split: evaluating on training data; "
+                "unset it to hold out data.eval_fraction instead"
+            )
+        return self
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _micro_divides_batch(cls, v: int | None, info: ValidationInfo) -> int | None:
+        batch = info.data.get("batch_size")
+        if v is not None and isinstance(batch, int) and batch % v != 0:
+            raise ValueError(f"must divide data.batch_size ({batch}); e.g. {_largest_divisor(batch, v)}")
+        return v
 
     @model_validator(mode="after")
     def _room_for_a_response(self) -> DataConfig:
         """The stdlib response budget is ``seq_len - prompt_len`` tokens; below
-        ``MIN_RESPONSE_TOKENS`` the examples would be a few tokens (or impossible: < 2)."""
-        if self.seq_len - self.prompt_len < MIN_RESPONSE_TOKENS:
+        ``MIN_RESPONSE_TOKENS`` the examples would be a few tokens (or impossible: < 2). Other
+        sources do not read prompt_len."""
+        if self.source == "stdlib" and self.seq_len - self.prompt_len < MIN_RESPONSE_TOKENS:
             raise ValueError(
                 f"data.prompt_len ({self.prompt_len}) must be smaller than data.seq_len ({self.seq_len}) by at "
                 f"least {MIN_RESPONSE_TOKENS} tokens (the response budget seq_len - prompt_len is "
@@ -155,6 +309,14 @@ class InnerConfig(_Section):
     grad_clip: float = Field(1.0, ge=0.0, description="Max global grad norm per inner step; 0 disables clipping.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
     sync_every: int = Field(16, ge=1, description="H: inner steps per round (between outer syncs of the whole model).")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="Inner lr after the warmup, over the whole run (rounds x sync_every inner steps): constant, or "
+        "linear / cosine decay to lr x min_lr_ratio at the last step; a function of the global inner step.",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="Final inner lr of the linear and cosine schedules, as a fraction of inner.lr."
+    )
 
     @field_validator("betas")
     @classmethod
@@ -162,6 +324,21 @@ class InnerConfig(_Section):
         if not all(0.0 <= b < 1.0 for b in v):
             raise ValueError(f"both betas must lie in [0, 1), got {list(v)}")
         return v
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Inner lr of global inner step ``step`` (0-based) of a run of ``total_steps`` inner steps.
+
+        Linear warmup ``lr * (step + 1) / warmup_steps`` for the first ``warmup_steps`` steps, then
+        ``schedule`` from ``lr`` at the first step after the warmup to ``lr * min_lr_ratio`` at the last
+        step ``total_steps - 1`` (constant: ``lr``); later steps keep the final value.
+        """
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / max(1, total_steps - 1 - self.warmup_steps))
+        decay = 1.0 - progress if self.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay)
 
 
 class OuterConfig(_Section):
@@ -248,6 +425,12 @@ STRAGGLER_TIMEOUT_S = 60.0
 TAKEOVER_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.5
 
+#: Default deadline of one store operation (a GET, PUT or LIST with its retries) made for a run:
+#: by the launcher (create the run, record the launch, status reads) and by the replicas that
+#: apply the run's ``store_timeout_s``. Long enough for a slow request, short enough that an
+#: endpoint which accepts connections and never answers fails within a minute.
+STORE_TIMEOUT_S = 60.0
+
 
 class ExchangeConfig(_Section):
     """How pseudo-gradients travel through the store (``ObjectStoreAllReduce``)."""
@@ -275,6 +458,76 @@ class ExchangeConfig(_Section):
     keep_rounds: int | None = Field(
         4, ge=1, description="Keep this many recent rounds' objects in the store (healing); unset keeps all."
     )
+
+
+#: Experiment trackers ``tracking.backends`` may name (diloco_serverless.tracking; each an optional extra).
+TrackingBackend = Literal["trackio", "wandb", "tensorboard"]
+
+
+class TrackingConfig(_Section):
+    """Experiment tracking (``diloco_serverless.tracking``): the launcher logs the run's per-round series."""
+
+    backends: list[TrackingBackend] = Field(
+        default_factory=list,
+        description='Trackers the launcher logs each round to while it follows the run (and `diloco track`): '
+        '"trackio", "wandb", "tensorboard"; each needs its extra. Empty = no tracking.',
+    )
+    project: str = Field(
+        "diloco", description="trackio / W&B project the run is logged under (the run's name is its run_id)."
+    )
+    per_replica: bool = Field(
+        False, description="Also log each replica's own series (replica/<rank>/loss, tokens_per_s, bytes, ...)."
+    )
+    tensorboard_dir: str = Field(
+        "./tensorboard", description="Local folder of the TensorBoard event files, one subfolder per run_id."
+    )
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backends_from_text(cls, v: Any) -> Any:
+        """``--set tracking.backends=wandb,tensorboard`` (a plain string) means the list of those names."""
+        if isinstance(v, str):
+            return [part.strip() for part in v.split(",") if part.strip()]
+        return v
+
+    @field_validator("backends")
+    @classmethod
+    def _backends_unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a backend twice ({v}); list each of trackio, wandb, tensorboard once")
+        return v
+
+    @field_validator("project", "tensorboard_dir")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
+#: ``ORG/NAME`` of a Hub model repository: two names of letters, digits, ``-``, ``_``, ``.``.
+_HUB_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+_HUB_REPO_ID = re.compile(rf"^{_HUB_NAME}/{_HUB_NAME}$")
+
+
+class HubConfig(_Section):
+    """Where ``diloco launch --push-to-hub`` / ``diloco push`` upload the final model (``launcher.hub``)."""
+
+    repo_id: str | None = Field(
+        None,
+        description='Hub model repository "ORG/NAME" the final model and its model card are pushed to when the run '
+        "succeeds (diloco launch --push-to-hub); unset = no push. The token comes from HF_TOKEN or `hf auth login`.",
+    )
+    private: bool = Field(
+        True, description="Create the repository private (an existing repository keeps its visibility)."
+    )
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id_form(cls, v: str | None) -> str | None:
+        if v is not None and (not _HUB_REPO_ID.match(v) or "--" in v or ".." in v):
+            raise ValueError('must be a Hub model repository "ORG/NAME", e.g. "my-org/smollm2-diloco"')
+        return v
 
 
 #: A 40-character AWS secret access key: base64 characters mixing upper case, lower case and
@@ -356,6 +609,13 @@ class RunConfig(_Section):
         "./runs",
         description="Store URL runs live under: a local path, file://, memory://, s3://bucket/prefix, gs://...",
     )
+    store_timeout_s: float = Field(
+        STORE_TIMEOUT_S,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Deadline in seconds of one store operation (retries included) made for this run, by the "
+        "launcher and the replicas; must fit the largest single transfer (a checkpoint shard).",
+    )
     replicas: int = Field(4, ge=1, le=4096, description="N: replicas launched (the exchange's world size).")
     min_replicas: int | None = Field(
         None, ge=1, description="Smallest quorum a round may close with after the straggler timeout; unset = replicas."
@@ -372,6 +632,8 @@ class RunConfig(_Section):
     outer: OuterConfig = Field(default_factory=OuterConfig, description="[outer] section.")
     loss: LossConfig = Field(default_factory=LossConfig, description="[loss] section.")
     exchange: ExchangeConfig = Field(default_factory=ExchangeConfig, description="[exchange] section.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="[tracking] section.")
+    hub: HubConfig = Field(default_factory=HubConfig, description="[hub] section.")
 
     @field_validator("store")
     @classmethod

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_serverless.config import RUN_ID_PATTERN, RunConfig
+from diloco_serverless.config import RUN_ID_PATTERN, STORE_TIMEOUT_S, RunConfig
 from diloco_serverless.errors import ConfigError
 from support import REPO_ROOT
 
@@ -258,3 +258,52 @@ def test_secret_in_a_toml_file_is_refused_without_echoing_it(tmp_path: Path) -> 
 def test_ordinary_values_are_not_mistaken_for_secrets(field: str, value: str) -> None:
     cfg = RunConfig.load(None, [f"{field}={json.dumps(value)}"])
     assert cfg.model_dump()[field.split(".")[0]] is not None
+
+
+def test_store_timeout_s_default_and_validation() -> None:
+    assert RunConfig().store_timeout_s == STORE_TIMEOUT_S == 60.0
+    assert RunConfig.load(None, ["store_timeout_s=5"]).store_timeout_s == 5.0
+    assert RunConfig.from_dict({"store_timeout_s": 0.5}).to_json_dict()["store_timeout_s"] == 0.5
+    for bad in ("0", "-3", "inf", "nan", '"soon"'):
+        with pytest.raises(ConfigError, match="store_timeout_s"):
+            RunConfig.load(None, [f"store_timeout_s={bad}"])
+    # a run.json written before the field existed still loads, with the default
+    old = RunConfig().to_json_dict()
+    del old["store_timeout_s"]
+    assert RunConfig.from_dict(old).store_timeout_s == STORE_TIMEOUT_S
+
+
+# ------------------------------------------------------------------------------------ [tracking] and [hub]
+def test_tracking_and_hub_defaults_are_off() -> None:
+    cfg = RunConfig()
+    assert cfg.tracking.backends == [] and cfg.tracking.project == "diloco" and not cfg.tracking.per_replica
+    assert cfg.hub.repo_id is None and cfg.hub.private is True
+    old = cfg.to_json_dict()  # a run.json written before the sections existed still loads
+    del old["tracking"], old["hub"]
+    assert RunConfig.from_dict(old) == cfg
+
+
+def test_tracking_backends_from_toml_lists_and_comma_separated_set() -> None:
+    assert RunConfig.load(None, ['tracking.backends=["wandb", "trackio"]']).tracking.backends == ["wandb", "trackio"]
+    assert RunConfig.load(None, ["tracking.backends=tensorboard,wandb"]).tracking.backends == ["tensorboard", "wandb"]
+    assert RunConfig.load(None, ["tracking.backends=trackio"]).tracking.backends == ["trackio"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("tracking.backends=mlflow", "Input should be 'trackio', 'wandb' or 'tensorboard'"),
+    ("tracking.backends=wandb,wandb", "names a backend twice"),
+    ('tracking.project=" "', "tracking.project: must not be empty"),
+    ("hub.repo_id=just-a-name", 'hub.repo_id: must be a Hub model repository "ORG/NAME"'),
+    ("hub.repo_id=a/b/c", 'must be a Hub model repository "ORG/NAME"'),
+    ("hub.repo_id=org/-name", 'must be a Hub model repository "ORG/NAME"'),
+    ("hub.repo_id=org/na--me", 'must be a Hub model repository "ORG/NAME"'),
+    ("hub.repo_id=hf_" + "a" * 34 + "/x", "credentials never go into the config"),
+])
+def test_tracking_and_hub_errors(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        RunConfig.load(None, [override])
+
+
+def test_hub_repo_id_accepts_org_slash_name() -> None:
+    for repo in ("my-org/smollm2-diloco", "user/Model_v1.2", "a/b"):
+        assert RunConfig.load(None, [f"hub.repo_id={repo}"]).hub.repo_id == repo

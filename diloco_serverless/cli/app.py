@@ -4,16 +4,22 @@
     diloco launch --executor modal --gpu H100 --replicas 8 --store s3://bucket/runs
     diloco status RUN_URL --watch | logs RUN_URL --rank 0 --follow | cancel RUN_URL
     diloco ls ./runs | plot RUN_URL -o loss.png
+    diloco push RUN_URL my-org/my-model            # final/ + model card to the Hub (a run that succeeded)
+    diloco track RUN_URL --watch                   # tracking.backends for a run launched with --detach
 
 A thin typer app over :mod:`diloco_serverless.launcher.api`. Bad input (an unknown executor or GPU, a
 missing SDK or token, an unwritable store, ``--replicas 0``, an unknown ``--set`` key, a URL with no
 run) prints one ``error:`` line with the fix and exits 2 before anything is created; a failed or
 cancelled run exits 1 naming the ranks; Ctrl-C during an attached launch cancels the run (130).
+Every command that touches the store takes ``--store-timeout SECONDS``, the deadline of each store
+operation (default: 30 s; for ``launch`` the config's ``store_timeout_s``), so a store that never
+answers ends the command with one ``error:`` line naming the URL (exit 2) instead of hanging.
 Set ``DILOCO_DEBUG=1`` to see tracebacks.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -51,7 +57,7 @@ from diloco_serverless.launcher.plot import eval_loss_of, metrics_notes, train_l
 from diloco_serverless.launcher.preflight import check_max_usd, parse_options
 from diloco_serverless.launcher.pricing import PRICE_TABLES, usd_per_replica_hour
 from diloco_serverless.launcher.status import TERMINAL
-from diloco_serverless.run.record import RunNotFound, join_run_url, list_runs
+from diloco_serverless.run.record import RunNotFound, join_run_url, list_runs, timeout_policy
 from diloco_serverless.store.objectstore import ObjectStore
 
 app = typer.Typer(
@@ -60,6 +66,27 @@ app = typer.Typer(
 )
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+
+#: Default ``--store-timeout`` of the commands that read a run (status, logs, cancel, ls, plot):
+#: short, for a person waiting at a terminal; ``launch`` uses the config's ``store_timeout_s``.
+INTERACTIVE_STORE_TIMEOUT_S = 30.0
+STORE_TIMEOUT_HELP = (
+    "Deadline in seconds of each store operation (retries included); an endpoint that does not answer "
+    "in time ends the command with an error."
+)
+STORE_TIMEOUT_READ_HELP = f"{STORE_TIMEOUT_HELP} The default is short, for interactive use."
+
+
+def _store_timeout_option(default: float | None, help_text: str) -> Any:
+    return typer.Option(default, "--store-timeout", metavar="SECONDS", help=help_text)
+
+
+def _store_timeout(value: float | None) -> float | None:
+    """``--store-timeout`` as given, or LaunchError: a finite number of seconds above zero."""
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise LaunchError(f"--store-timeout must be a positive, finite number of seconds (got {value:g}); "
+                          "e.g. --store-timeout 30")
+    return value
 
 
 def _out() -> Console:
@@ -205,10 +232,19 @@ def launch(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Delete what an earlier run left in the run folder instead of refusing it."
     ),
+    store_timeout: float | None = _store_timeout_option(
+        None, STORE_TIMEOUT_HELP + " Sets the config's store_timeout_s (default 60), which replicas use too."
+    ),
+    push_to_hub: str | None = typer.Option(
+        None, "--push-to-hub", metavar="ORG/NAME",
+        help="When the run succeeds, upload final/ with a model card to this Hub repository (private unless "
+        "--set hub.private=false; token from HF_TOKEN or `hf auth login`). Sets hub.repo_id.",
+    ),
 ) -> None:
     """Create a run in the store, start its replicas, and follow it to the end (unless --detach)."""
     out = _out()
     with _errors():
+        store_timeout_s = _store_timeout(store_timeout)
         if max_usd is not None:
             check_max_usd(max_usd, "--max-usd")
         if max_usd is not None and detach:
@@ -235,12 +271,21 @@ def launch(
             executor_options=options,
             trust_remote_code=trust_remote_code,
             overwrite=overwrite,
+            store_timeout_s=store_timeout_s,
+            push_to_hub=push_to_hub,
         )
         _say(out, f"launched {run.config.replicas} {run.executor_kind} replicas of run {run.run_id}")
         _say(out, f"run URL: {run.url}")
+        backends = run.config.tracking.backends
         if detach:
             _say(out, f"follow it with: diloco status {run.url} --watch   (cancel: diloco cancel {run.url})")
+            if backends:
+                _say(out, f"track it ({', '.join(backends)}) with: diloco track {run.url} --watch")
+            if run.config.hub.repo_id:
+                _say(out, f"push it when it succeeds: diloco push {run.url} {run.config.hub.repo_id}")
             return
+        if backends:
+            _say(out, f"tracking: {', '.join(backends)} (project {run.config.tracking.project}, run {run.run_id})")
         try:
             with _Progress(out) as progress:
                 final = run.wait(poll_interval_s=poll_interval_s, on_update=progress.update, max_usd=max_usd)
@@ -253,6 +298,9 @@ def launch(
             _err(f"interrupted: cancelled run {run.url} (use --detach to leave a run running)")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         _print_summary(out, final)
+        if run.config.hub.repo_id:
+            _say(out, f"pushing the final model to {run.config.hub.repo_id} ...")
+            _say(out, f"pushed: {run.push_to_hub()}")
 
 
 def _print_summary(out: Console, status: Any) -> None:
@@ -278,20 +326,22 @@ RUN_HELP = (
 DEFAULT_STORE = "./runs"
 
 
-def _attach(run_url: str | None) -> Any:
-    """Open the run: a run URL, a bare run id under ./runs, or (None) the latest run under ./runs."""
+def _attach(run_url: str | None, store_timeout: float | None) -> Any:
+    """Open the run: a run URL, a bare run id under ./runs, or (None) the latest run under ./runs.
+    ``store_timeout`` (``--store-timeout``) bounds every store operation, the read of run.json included."""
+    timeout_s = _store_timeout(store_timeout)
     if run_url is None:
         # invalid runs are skipped quietly here (``diloco ls`` names them); a warning would print their raw text
-        runs = list_runs(DEFAULT_STORE, skipped=[]) if Path(DEFAULT_STORE).is_dir() else []
+        runs = list_runs(DEFAULT_STORE, skipped=[], timeout_s=timeout_s) if Path(DEFAULT_STORE).is_dir() else []
         if not runs:
             raise LaunchError(f"no runs under {DEFAULT_STORE}; pass a run URL such as s3://bucket/runs/<run_id>")
-        return Run.attach(runs[-1].url)
+        return Run.attach(runs[-1].url, store_timeout_s=timeout_s)
     try:
-        return Run.attach(run_url)
+        return Run.attach(run_url, store_timeout_s=timeout_s)
     except RunNotFound:
         bare = "/" not in run_url and "://" not in run_url
         if bare and Path(DEFAULT_STORE, run_url, "run.json").is_file():
-            return Run.attach(join_run_url(DEFAULT_STORE, run_url))
+            return Run.attach(join_run_url(DEFAULT_STORE, run_url), store_timeout_s=timeout_s)
         raise
 
 
@@ -300,11 +350,12 @@ def status(
     run_url: str | None = typer.Argument(None, help=RUN_HELP),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh until the run ends (Ctrl-C to stop watching)."),
     interval_s: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch.", min=0.1),
+    store_timeout: float = _store_timeout_option(INTERACTIVE_STORE_TIMEOUT_S, STORE_TIMEOUT_READ_HELP),
 ) -> None:
     """Per-replica table (state, round, step, loss, heartbeat, bytes moved), totals and est. spend."""
     out = _out()
     with _errors():
-        run = _attach(run_url)
+        run = _attach(run_url, store_timeout)
         if not watch:
             current = run.status()
             out.print(status_renderable(current, notes=metrics_notes(run.metrics())))
@@ -331,10 +382,11 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until the replica ends."),
     tail: int | None = typer.Option(None, "--tail", help="Only the last N lines."),
     interval_s: float = typer.Option(1.0, "--interval", help="Seconds between polls with --follow.", min=0.1),
+    store_timeout: float = _store_timeout_option(INTERACTIVE_STORE_TIMEOUT_S, STORE_TIMEOUT_READ_HELP),
 ) -> None:
     """Print one replica's log (from the executor, or <run>/logs/rank-<r>.log)."""
     with _errors():
-        run = _attach(run_url)
+        run = _attach(run_url, store_timeout)
         text = run.logs(rank, tail=tail)
         sys.stdout.write(text if follow or text.endswith("\n") or not text else text + "\n")
         sys.stdout.flush()
@@ -360,10 +412,13 @@ def _follow(run: Any, rank: int, seen: str, interval_s: float) -> None:
 
 
 @app.command()
-def cancel(run_url: str | None = typer.Argument(None, help=RUN_HELP)) -> None:
+def cancel(
+    run_url: str | None = typer.Argument(None, help=RUN_HELP),
+    store_timeout: float = _store_timeout_option(INTERACTIVE_STORE_TIMEOUT_S, STORE_TIMEOUT_READ_HELP),
+) -> None:
     """Cancel every replica of a run through the executor that launched it."""
     with _errors():
-        run = _attach(run_url)
+        run = _attach(run_url, store_timeout)
 
         current = run.status()
         if all(r.state in TERMINAL for r in current.replicas):
@@ -374,7 +429,10 @@ def cancel(run_url: str | None = typer.Argument(None, help=RUN_HELP)) -> None:
 
 
 @app.command("ls")
-def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live under.")) -> None:
+def ls_(
+    store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live under."),
+    store_timeout: float = _store_timeout_option(INTERACTIVE_STORE_TIMEOUT_S, STORE_TIMEOUT_READ_HELP),
+) -> None:
     """List the runs under a store URL: created, executor, replicas, rounds, state, latest loss
     (rank 0's eval loss when its latest round evaluated, else its training loss).
 
@@ -383,7 +441,7 @@ def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live
 
     out = _out()
     with _errors():
-        root = ObjectStore(store_url)
+        root = ObjectStore(store_url, retry=timeout_policy(_store_timeout(store_timeout)))
         rows = []
         skipped: list[tuple[str, str]] = []
         notes: list[str] = []
@@ -421,15 +479,61 @@ def ls_(store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live
 def plot(
     run_url: str | None = typer.Argument(None, help=RUN_HELP),
     output: Path = typer.Option(Path("loss.png"), "--output", "-o", help="PNG file to write."),
+    store_timeout: float = _store_timeout_option(INTERACTIVE_STORE_TIMEOUT_S, STORE_TIMEOUT_READ_HELP),
 ) -> None:
     """Plot per-replica training loss and eval loss against rounds (PNG, matplotlib Agg)."""
     with _errors():
-        run = _attach(run_url)
+        run = _attach(run_url, store_timeout)
         path = run.plot(output)
         out = _out()
         _say(out, f"wrote {path}")
         for line in note_lines(metrics_notes(run.metrics())):
             out.print(Text(line, style="yellow"))
+
+
+@app.command()
+def push(
+    run_url: str = typer.Argument(..., help="The run: <store_url>/<run_id>, or a run id under ./runs."),
+    repo_id: str | None = typer.Argument(
+        None, metavar="[ORG/NAME]", help="Hub model repository; default: the run's hub.repo_id (--push-to-hub)."
+    ),
+    private: bool | None = typer.Option(
+        None, "--private/--public",
+        help="Visibility of a repository this creates (default: the run's hub.private, private).",
+    ),
+    store_timeout: float = _store_timeout_option(INTERACTIVE_STORE_TIMEOUT_S, STORE_TIMEOUT_READ_HELP),
+) -> None:
+    """Upload a finished run's final model (final/) with a model card and loss plot to the Hub.
+
+    Only a run that succeeded is pushed. The token comes from HF_TOKEN or `hf auth login`, never from the store."""
+    out = _out()
+    with _errors():
+        run = _attach(run_url, store_timeout)
+        url = run.push_to_hub(repo_id, private=private)
+        _say(out, f"pushed run {run.run_id} to {url}")
+
+
+@app.command()
+def track(
+    run_url: str | None = typer.Argument(None, help=RUN_HELP),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Keep logging new rounds until the run ends."),
+    interval_s: float = typer.Option(2.0, "--interval", help="Seconds between polls with --watch.", min=0.1),
+    store_timeout: float = _store_timeout_option(INTERACTIVE_STORE_TIMEOUT_S, STORE_TIMEOUT_READ_HELP),
+) -> None:
+    """Log a run's per-round series to its tracking.backends (trackio, wandb, tensorboard).
+
+    An attached `diloco launch` does this by itself; use it for a run launched with --detach."""
+    out = _out()
+    with _errors():
+        run = _attach(run_url, store_timeout)
+        try:
+            final = run.track(follow=watch, poll_interval_s=interval_s)
+        except KeyboardInterrupt:
+            _say(out, "stopped tracking (the run keeps going)")
+            return
+        backends = ", ".join(run.config.tracking.backends)
+        _say(out, f"tracked run {run.run_id} ({final.state}, round {'-' if final.round is None else final.round}"
+                  f"/{run.config.rounds}) to {backends}")
 
 
 def main() -> None:

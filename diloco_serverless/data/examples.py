@@ -34,6 +34,9 @@ class Example:
     is what the self-distillation teacher reads (channel 2: the prompt with the hint). ``prompt`` +
     ``chosen`` / ``prompt`` + ``rejected`` is the preference pair (channel 3); ``chosen`` defaults to
     ``response``. ``source`` says where it came from (file path or JSONL line) for error messages.
+    ``loss_mask`` (one 0/1 per ``response`` token, None = all 1) marks the response tokens the loss
+    scores, for a chat whose response spans several assistant turns with user turns between them;
+    the teacher row carries the same mask, so both score the same tokens.
     """
 
     prompt: list[int]
@@ -42,6 +45,7 @@ class Example:
     rejected: list[int]
     chosen: list[int] = field(default_factory=list)
     source: str = ""
+    loss_mask: list[int] | None = None
 
     @property
     def chosen_or_response(self) -> list[int]:
@@ -70,11 +74,14 @@ def fit_pair(prompt: Sequence[int], response: Sequence[int], length: int) -> tup
     return p, r
 
 
-def _row(prompt: list[int], response: list[int], length: int, pad_id: int) -> tuple[list[int], list[int], list[int]]:
+def _row(
+    prompt: list[int], response: list[int], length: int, pad_id: int, mask: list[int] | None = None
+) -> tuple[list[int], list[int], list[int]]:
     n = len(prompt) + len(response)
     ids = prompt + response + [pad_id] * (length - n)
     attn = [1] * n + [0] * (length - n)
-    resp = [0] * len(prompt) + [1] * len(response) + [0] * (length - n)
+    scored = [1] * len(response) if mask is None else mask[: len(response)]
+    resp = [0] * len(prompt) + scored + [0] * (length - n)
     return ids, attn, resp
 
 
@@ -101,18 +108,19 @@ def collate(
 
     Student rows are ``[B, seq_len]``; teacher rows ``[B, seq_len + hint_len]`` and hold exactly the
     student's (possibly truncated) response, so both masks select the same number of tokens. An empty
-    prompt becomes ``[start_id]`` so that the first response token is scored in both views.
+    prompt becomes ``[start_id]`` so that the first response token is scored in both views. An
+    example's ``loss_mask`` limits both response masks to the tokens it marks.
     """
     student, teach, chosen, rejected = [], [], [], []
     for ex in examples:
         if not ex.response:
             raise DataError(f"example from {ex.source or '?'} has an empty response")
         p, r = fit_pair(ex.prompt or [start_id], ex.response, seq_len)
-        student.append(_row(p, r, seq_len, pad_id))
+        student.append(_row(p, r, seq_len, pad_id, ex.loss_mask))
         if teacher:
             t_len = seq_len + hint_len
             tp = (ex.teacher_prompt or [start_id])[-(t_len - len(r)) :]
-            teach.append(_row(tp, r, t_len, pad_id))
+            teach.append(_row(tp, r, t_len, pad_id, ex.loss_mask))
         if dpo:
             chosen.append(_row(*fit_pair(ex.prompt or [start_id], ex.chosen_or_response, seq_len), seq_len, pad_id))
             rejected.append(_row(*fit_pair(ex.prompt or [start_id], ex.rejected, seq_len), seq_len, pad_id))

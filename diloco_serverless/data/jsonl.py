@@ -11,6 +11,10 @@ The teacher's prompt is the user turn ``prompt + "\\n\\n" + hint`` (the student'
 record has no hint). The preference pair is (``chosen``, ``rejected``) when the record has both,
 otherwise the response against its lines (or, for one line, its words) shuffled.
 
+This reader serves ``data.format = "auto"`` (the default) on a single ``.jsonl`` file and needs no extra
+package; ``data.columns`` renames the fields. Any other format or layout goes through
+:mod:`.hf` (🤗 datasets). Tokenization is :class:`~diloco_serverless.data.formats.Encoder`'s.
+
 Failure: :class:`DataError` naming the file and line for a record that is not a JSON object, lacks a
 non-empty string ``prompt`` / ``response``, has a non-string optional field, or has only one of
 ``chosen`` / ``rejected``; and for an unreadable file or an empty shard.
@@ -18,59 +22,54 @@ non-empty string ``prompt`` / ``response``, has a non-string optional field, or 
 
 from __future__ import annotations
 
-import functools
 import json
-import re
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 
-from diloco_serverless.config import DataConfig
-from diloco_serverless.data.examples import (
-    DataError,
-    Example,
-    example_rng,
-    shuffle_lines,
-)
+from diloco_serverless.config import DataColumns, DataConfig
+from diloco_serverless.data.examples import DataError, Example, example_rng
+from diloco_serverless.data.formats import Encoder, Record
 from diloco_serverless.data.stdlib import shard_for_rank, split_train_eval
 from diloco_serverless.store.objectstore import storage_options_from_env
 
-__all__ = ["Record", "JsonlSource", "read_jsonl_records", "parse_record"]
+__all__ = ["Record", "JsonlSource", "read_jsonl_records", "parse_record", "is_jsonl_file"]
 
-_OPTIONAL = ("hint", "chosen", "rejected")
-
-
-@dataclass(frozen=True)
-class Record:
-    prompt: str
-    response: str
-    hint: str | None
-    chosen: str | None
-    rejected: str | None
-    where: str  # "<url>:<line>"
+_DEFAULT_COLUMNS = DataColumns()
 
 
-def parse_record(line: str, where: str) -> Record:
+def is_jsonl_file(source: str) -> bool:
+    """True for a single ``.jsonl`` file (no glob), the built-in reader's case."""
+    return source.lower().endswith(".jsonl") and not any(c in source for c in "*?[")
+
+
+def parse_record(line: str, where: str, columns: DataColumns | None = None) -> Record:
     """One JSONL line -> Record; DataError naming ``where`` (url:line) and the problem."""
+    cols = columns or _DEFAULT_COLUMNS
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object with prompt and response, got {type(obj).__name__}")
-    for key in ("prompt", "response"):
+        raise DataError(
+            f"{where}: expected a JSON object with {cols.prompt} and {cols.response}, got {type(obj).__name__}"
+        )
+    for key in (cols.prompt, cols.response):
         if not isinstance(obj.get(key), str) or not obj[key]:
             raise DataError(f"{where}: field {key!r} must be a non-empty string, got {obj.get(key)!r:.60}")
-    for key in _OPTIONAL:
+    for key in (cols.hint, cols.chosen, cols.rejected):
         if obj.get(key) is not None and not isinstance(obj[key], str):
             raise DataError(f"{where}: optional field {key!r} must be a string, got {type(obj[key]).__name__}")
-    if (obj.get("chosen") is None) != (obj.get("rejected") is None):
-        raise DataError(f"{where}: give both 'chosen' and 'rejected' or neither")
-    return Record(obj["prompt"], obj["response"], obj.get("hint"), obj.get("chosen"), obj.get("rejected"), where)
+    if (obj.get(cols.chosen) is None) != (obj.get(cols.rejected) is None):
+        raise DataError(f"{where}: give both {cols.chosen!r} and {cols.rejected!r} or neither")
+    return Record(
+        obj[cols.prompt], obj[cols.response], obj.get(cols.hint), obj.get(cols.chosen), obj.get(cols.rejected), where
+    )
 
 
-def read_jsonl_records(url: str, storage_options: dict[str, Any] | None = None) -> list[Record]:
+def read_jsonl_records(
+    url: str, storage_options: dict[str, Any] | None = None, columns: DataColumns | None = None
+) -> list[Record]:
     """All records of a JSONL file (blank lines skipped). DataError if unreadable or empty."""
     try:
         with fsspec.open(url, "rb", **(storage_options or {})) as fh:
@@ -81,7 +80,9 @@ def read_jsonl_records(url: str, storage_options: dict[str, Any] | None = None) 
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"JSONL data {url} is not UTF-8 (byte {exc.start}); re-encode it") from None
-    records = [parse_record(line, f"{url}:{i}") for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    records = [
+        parse_record(line, f"{url}:{i}", columns) for i, line in enumerate(text.splitlines(), 1) if line.strip()
+    ]
     if not records:
         raise DataError(f"JSONL data {url} has no records; each line must be a JSON object")
     return records
@@ -95,6 +96,7 @@ class JsonlSource:
     """Examples from a JSONL file; see the module docstring."""
 
     name = "jsonl"
+    format = "prompt_response"
 
     def __init__(
         self,
@@ -108,7 +110,7 @@ class JsonlSource:
     ) -> None:
         self.tokenizer, self.data, self.rank, self.seed = tokenizer, data, rank, seed
         opts = storage_options if storage_options is not None else _default_storage_options()
-        records = read_jsonl_records(data.source, opts)
+        records = read_jsonl_records(data.source, opts, data.columns)
         # split key: record index + content, so the split does not depend on where the file lives
         by_key = {f"{i}:{r.prompt}\x00{r.response}": (i, r) for i, r in enumerate(records)}
         train_keys, eval_keys = split_train_eval(list(by_key), data.eval_fraction)
@@ -119,10 +121,8 @@ class JsonlSource:
         )
         if not self.eval_records:
             raise DataError(f"JSONL data {data.source} has 1 record; need at least 2 to hold one out for eval")
-        self._eos = tokenizer.eos_token_id
+        self.encoder = Encoder(tokenizer, data.hint_len)
         self._perm: tuple[int, list[int]] = (-1, [])
-        # records are revisited every epoch: memoise their tokenization (keys are the strings)
-        self._prompt_response = functools.lru_cache(maxsize=8192)(self._tokenize_pair)
 
     # -------------------------------------------------------------- order
     def train_example(self, index: int) -> Example:
@@ -141,47 +141,5 @@ class JsonlSource:
         rec = self.eval_records[index % len(self.eval_records)]
         return self._encode(rec, example_rng(self.seed, "jsonl-eval", index))
 
-    # -------------------------------------------------------------- tokenization
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def _chat_ids(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return list(out)
-
-    def _tokenize_pair(self, prompt: str, response: str) -> tuple[list[int], list[int]]:
-        """(prompt ids, response ids) with the chat template when the tokenizer has one."""
-        if getattr(self.tokenizer, "chat_template", None):
-            user = [{"role": "user", "content": prompt}]
-            p = self._chat_ids(user, True)
-            full = self._chat_ids(user + [{"role": "assistant", "content": response}], False)
-            if full[: len(p)] == p and len(full) > len(p):
-                return p, full[len(p) :]
-            return p, self._ids(response) + ([self._eos] if self._eos is not None else [])
-        start = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
-        return start + self._ids(prompt), self._ids(response) + ([self._eos] if self._eos is not None else [])
-
-    def _rejected_text(self, rec: Record, rng: Any) -> str:
-        if rec.rejected is not None:
-            return rec.rejected
-        parts = rec.response.splitlines(keepends=True)
-        if len(parts) < 2:
-            parts = re.findall(r"\S+\s*", rec.response)
-        shuffled = shuffle_lines([[i] for i in range(len(parts))], rng) if len(parts) >= 2 else None
-        if shuffled is None or [parts[i] for i in shuffled] == parts:
-            return rec.response[::-1]  # one token-ish unit: reversing still makes a worse sequence
-        return "".join(parts[i] for i in shuffled)
-
     def _encode(self, rec: Record, rng: Any) -> Example:
-        prompt, response = self._prompt_response(rec.prompt, rec.response)
-        if rec.hint:
-            teacher, t_resp = self._prompt_response(f"{rec.prompt}\n\n{rec.hint}", rec.response)
-            teacher = teacher[-(len(prompt) + self.data.hint_len) :] if t_resp == response else prompt
-        else:
-            teacher = prompt
-        chosen = self._prompt_response(rec.prompt, rec.chosen)[1] if rec.chosen is not None else []
-        rejected = self._prompt_response(rec.prompt, self._rejected_text(rec, rng))[1]
-        # copies: the cached lists must never be mutated by a consumer
-        return Example(list(prompt), list(response), list(teacher), list(rejected), list(chosen), rec.where)
+        return self.encoder.prompt_response(rec, rng)

@@ -12,12 +12,13 @@ deploy-time settings below are only defaults. Read at deploy time from the envir
     DILOCO_MODAL_SECRETS    comma-separated Modal Secret names with storage credentials
     DILOCO_MODAL_TIMEOUT_S  per-attempt timeout in seconds (default 86400)
     DILOCO_MODAL_RETRIES    retries after failure/preemption (default 3)
-    DILOCO_MODAL_PACKAGE    pip requirement for the image (default this package at this version)
-    DILOCO_MODAL_LOCAL_SOURCE  1 = ship the local source, 0 = pip-install; unset = ship it when
-                            deploying from a source checkout (see executors.modal.ships_local_source)
+    DILOCO_MODAL_PACKAGE    a pip requirement to install instead of shipping the local source
+    DILOCO_MODAL_LOCAL_SOURCE  unset or 1 = ship the source of the package that deploys (checkout or
+                            installed), 0 = pip-install the published diloco-serverless==<this version>
 
 Failure: a replica that exits non-zero makes the call fail with its exit code and output tail;
-Modal retries it per DILOCO_MODAL_RETRIES.
+Modal retries it per DILOCO_MODAL_RETRIES (or the launch's retries). Exit code 2 (a setup error)
+ends the call normally with that code as its result, so it is never retried.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@
 Environment: ``REPLICA_RANK`` (required unless ``--rank``), ``DILOCO_RUN_URL`` (unless ``--run-url``),
 ``DILOCO_ATTEMPT`` (restart counter, recorded in heartbeats), ``DILOCO_DEVICE`` (default: cuda if
 available), storage credentials/endpoints the standard way (``AWS_*``, ``DILOCO_STORAGE_OPTIONS``...).
+``DILOCO_CODE_VERSION`` (set by executors that ship the launcher's code as a wheel, e.g. HF Jobs):
+the replica refuses to start unless the installed package it imports has that version.
 Everything else comes from the run's ``run.json``.
 
 Exit codes: 0 success (or the run had already finished); 2 a problem found before training (bad
@@ -30,6 +32,8 @@ from diloco_serverless.errors import (
     StoreError,
     UserInputError,
 )
+from diloco_serverless.executors import _package
+from diloco_serverless.executors.base import CODE_VERSION_ENV
 
 __all__ = ["main"]
 
@@ -71,6 +75,23 @@ def _attempt() -> int:
 _SETUP_ERRORS: tuple[type[BaseException], ...] = (UserInputError, RunError, StoreError, CheckpointError, ValueError)
 
 
+def _check_shipped_code() -> None:
+    """Refuse to run other code than the launcher shipped: ``$DILOCO_CODE_VERSION`` (the wheel's
+    ``<version>+src.<content hash>``) must be the version of the installed package beside the
+    imported ``diloco_serverless`` (ValueError, exit code 2, otherwise). Nothing to check when unset."""
+    want = os.environ.get(CODE_VERSION_ENV, "").strip()
+    if not want:
+        return
+    dist = _package.installed_distribution(_package.PACKAGE_DIR)
+    got = dist.version if dist is not None else None
+    if got != want:
+        raise ValueError(
+            f"this replica imports {_package.DIST_NAME} {got or '(no installed metadata)'} from "
+            f"{_package.PACKAGE_DIR}, but the launcher shipped {want} (${CODE_VERSION_ENV}); the image's own copy "
+            "of the package shadows the shipped one: use an image without it, or launch with install=None to run "
+            "the image's copy")
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
@@ -105,6 +126,7 @@ def _main(args: argparse.Namespace, rank_text: str) -> int:
         if not args.run_url:
             raise ValueError("no run URL: set DILOCO_RUN_URL or pass --run-url <store_url>/<run_id>")
         rank, attempt = _rank(args), _attempt()
+        _check_shipped_code()
         from diloco_serverless.trainer.loop import ReplicaTrainer
 
         trainer = ReplicaTrainer.from_run(args.run_url, rank, attempt=attempt, device=args.device)

@@ -9,13 +9,17 @@
     executor_for_handle(hs[0], run_url=url).poll(hs)
 
 Backends import their SDKs lazily, so ``import diloco_serverless.executors`` needs neither
-``modal`` nor ``huggingface_hub``.
+``modal`` nor ``huggingface_hub``. An executor that ships the launcher's code through the run's store
+(hf-jobs) has ``set_code_uploader(uploader)`` (a :data:`CodeUploader`) and, after a launch,
+``shipped_code`` (a :class:`ShippedCode`).
 """
 
 from __future__ import annotations
 
 from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors.base import (
+    SETUP_ERROR_EXIT_CODE,
+    CodeUploader,
     CollectTimeout,
     ExecutorUnavailable,
     ReplicaFailedError,
@@ -24,6 +28,7 @@ from diloco_serverless.executors.base import (
     ReplicaState,
     ReplicaStatus,
     ServerlessExecutor,
+    ShippedCode,
     handle_from_json,
 )
 from diloco_serverless.executors.registry import (
@@ -39,6 +44,8 @@ from diloco_serverless.executors.registry import (
 
 __all__ = [
     "EXECUTOR_KINDS",
+    "SETUP_ERROR_EXIT_CODE",
+    "CodeUploader",
     "CollectTimeout",
     "ExecutorError",
     "ExecutorUnavailable",
@@ -48,6 +55,7 @@ __all__ = [
     "ReplicaState",
     "ReplicaStatus",
     "ServerlessExecutor",
+    "ShippedCode",
     "build_executor",
     "executor_class",
     "executor_for_handle",

@@ -12,8 +12,10 @@ PID, and cancel it by signalling the process group (see ``local.py``).
 
 A replica that exits non-zero (including one killed by a signal, e.g. an OOM kill or ``kill -9``) is
 restarted with ``DILOCO_ATTEMPT`` incremented, up to ``--retries`` times, like a preempted cloud
-replica; it heals from the store's latest checkpoint. SIGTERM to the supervisor means "cancel": the
-replica is not restarted and the state becomes ``cancelled``.
+replica; it heals from the store's latest checkpoint. Exit code 2 (a setup error: bad run.json,
+rank outside the run, unreachable store; see entrypoints/replica.py) is not retried: the state
+becomes ``failed`` at once, with the replica's ``error: ...`` line as the reason. SIGTERM to the
+supervisor means "cancel": the replica is not restarted and the state becomes ``cancelled``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_serverless.executors._proc import proc_start_time, write_json_atomic
+from diloco_serverless.executors._proc import proc_start_time, tail_file, write_json_atomic
+from diloco_serverless.executors.base import SETUP_ERROR_EXIT_CODE, setup_error_reason
 
 _cancelled = False
 
@@ -75,6 +78,13 @@ def _log(log_fh: Any, message: str) -> None:
     log_fh.flush()
 
 
+def _log_tail(log_path: Path) -> str:
+    try:
+        return tail_file(log_path, 40)
+    except OSError:
+        return ""
+
+
 def _run_attempt(cmd: list[str], attempt: int, log_fh: Any, state: _State) -> int:
     env = {**os.environ, "DILOCO_ATTEMPT": str(attempt)}
     child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log_fh, stderr=subprocess.STDOUT)
@@ -98,6 +108,12 @@ def supervise(cmd: list[str], rank: int, retries: int, log_path: Path, state_pat
             if code == 0:
                 state.update(status="succeeded", exit_code=0, reason=None, child_pid=None)
                 return 0
+            if code == SETUP_ERROR_EXIT_CODE:
+                why = setup_error_reason(_log_tail(log_path))
+                reason = f"{_describe_exit(code)}: a setup error, not retried ({why})"
+                _log(log_fh, f"rank {rank}: not restarting: exit code {code} is a setup error that a retry cannot fix")
+                state.update(status="failed", exit_code=code, reason=reason, child_pid=None)
+                return 1
             if attempt >= retries:
                 reason = f"{_describe_exit(code)} (attempt {attempt}, no retries left of {retries})"
                 state.update(status="failed", exit_code=code, reason=reason, child_pid=None)

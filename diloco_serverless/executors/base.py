@@ -10,8 +10,10 @@ writable by every replica credential, so executors check what a handle says (see
 ``from_handle``) before acting on it.
 
 Failure: :meth:`ServerlessExecutor.collect` raises :class:`ReplicaFailedError` naming every failed or
-cancelled rank with its exit code or remote exception and the tail of its log; a timeout raises
-:class:`CollectTimeout` naming the ranks still running (they are not cancelled).
+cancelled rank (and every rank that ended with an unknown outcome) with its exit code or remote
+exception and the tail of its log; a timeout raises :class:`CollectTimeout` naming the ranks still
+running (they are not cancelled). A replica that exits with :data:`SETUP_ERROR_EXIT_CODE` (2: the
+input is wrong) is never retried by any executor.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -51,6 +53,9 @@ class ReplicaStatus(str, Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    #: the platform cannot tell (e.g. Modal no longer keeps the call's result): callers defer to the
+    #: replica's heartbeat in the store; ``reason`` says why
+    UNKNOWN = "unknown"
 
     @property
     def terminal(self) -> bool:
@@ -102,6 +107,12 @@ class ReplicaState:
     @property
     def terminal(self) -> bool:
         return self.status.terminal
+
+    @property
+    def ended(self) -> bool:
+        """True when the replica will not run again, even if its outcome is unknown (an UNKNOWN
+        state with ``detail["ended"]``, e.g. an expired Modal result): ``collect`` stops waiting."""
+        return self.terminal or (self.status is ReplicaStatus.UNKNOWN and self.detail.get("ended") is True)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -238,7 +249,7 @@ def collect_by_polling(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         states = executor.poll(handles)
-        pending = [s.rank for s in states if not s.terminal]
+        pending = [s.rank for s in states if not s.ended]
         if not pending:
             break
         if deadline is not None and time.monotonic() >= deadline:
@@ -273,6 +284,52 @@ def _result_from_state(
         attempt=state.attempt,
         log_tail=log_tail,
     )
+
+
+# --- exit codes and shipped code ----------------------------------------------------------------
+
+#: Exit code of a replica that found a problem before training (bad run.json, rank outside the run,
+#: unreachable store, wrong shipped code; see entrypoints/replica.py). Retrying cannot fix it, so no
+#: executor retries it: the local supervisor stops, the Modal function returns it as its result
+#: instead of raising (so ``modal.Retries`` does not apply), and an HF Job exits 0 after printing
+#: :data:`SETUP_ERROR_MARKER` (so the Jobs ``attempts`` do not apply); ``poll`` reports ``failed``.
+SETUP_ERROR_EXIT_CODE = 2
+#: The line a remote wrapper prints before ending a replica that exited with SETUP_ERROR_EXIT_CODE.
+SETUP_ERROR_MARKER = "[diloco] setup error (exit code 2), not retried"
+
+#: Set in the environment of a replica that runs shipped code: the wheel's version (with its
+#: ``+src.<hash>`` label), SHA-256 and URL. The replica refuses to start (exit code 2) when the
+#: installed package beside the imported one has another version (entrypoints/replica.py).
+CODE_VERSION_ENV, CODE_SHA256_ENV, CODE_URL_ENV = "DILOCO_CODE_VERSION", "DILOCO_CODE_SHA256", "DILOCO_CODE_URL"
+
+#: ``uploader(filename, data) -> url``: stores one file of the code a remote executor ships (the
+#: launcher puts it in the run's own store, ``<run>/code/<filename>``) and returns the fsspec URL a
+#: replica holding the run's storage credentials reads it from.
+CodeUploader = Callable[[str, bytes], str]
+
+
+@dataclass(frozen=True)
+class ShippedCode:
+    """The code a remote executor shipped for a launch: a wheel of the launching package."""
+
+    url: str
+    sha256: str
+    version: str
+    filename: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"url": self.url, "sha256": self.sha256, "version": self.version, "filename": self.filename}
+
+
+def setup_error_reason(log_tail: str) -> str:
+    """The reason of a setup error from a log tail: the replica's last ``error: ...`` line, else the
+    last line of output that is not the wrappers' own (``[diloco] ...``), else the marker."""
+    lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    if errors:
+        return errors[-1]
+    own = [ln for ln in lines if not ln.startswith("[diloco")]
+    return own[-1][:500] if own else SETUP_ERROR_MARKER
 
 
 # --- environment helpers shared by the executors ------------------------------------------------

@@ -8,9 +8,13 @@ environment, and any credential-looking variable passed in ``env`` (see ``base.l
 moved to the secrets too. Values are never logged nor stored in handles.
 
 Retries: ``retries`` maps to the Jobs API ``attempts`` (the Hub re-runs a failed Job); a restarted
-replica heals from the store's latest checkpoint. Stage mapping: SCHEDULING -> pending, RUNNING ->
-running, COMPLETED -> succeeded, ERROR -> failed (with the Hub's status message), CANCELED ->
-cancelled, DELETED -> failed.
+replica heals from the store's latest checkpoint. A setup error (exit code 2, see
+entrypoints/replica.py) is not retried: the Job's command prints ``SETUP_ERROR_MARKER`` and exits
+0, and ``poll`` reports that Job ``failed`` with the replica's ``error: ...`` line. The Hub does not
+tell a Job its attempt number, so ``DILOCO_ATTEMPT`` is not set. Stage mapping: SCHEDULING ->
+pending, RUNNING -> running, COMPLETED -> succeeded (failed when the log ends with the setup-error
+marker), ERROR -> failed (with the Hub's status message), CANCELED -> cancelled, DELETED -> failed,
+any other stage -> unknown.
 
 Handles (``job_id``, ``namespace``, ``endpoint``, ...) are stored in run.json, which any replica
 credential can rewrite. The token is therefore only ever sent to the endpoint of *this* process
@@ -18,39 +22,63 @@ credential can rewrite. The token is therefore only ever sent to the endpoint of
 refuses a handle that names another endpoint, and job ids and namespaces are checked to be plain
 names before they go into a request path.
 
-Images: the default image is a stock PyTorch image; ``install`` (default: this package at this
-version with its s3/gcs/hf extras) is pip-installed before the replica starts. Pass ``install=None``
-with an image that already contains the package.
+Code: by default (``install="local"``) every Job runs the code that launched it. At launch the
+executor builds a wheel of the running package (``_package.build_wheel``: from a checkout or from
+the installed files, deterministic, version ``<version>+src.<content hash>``), hands it to the
+``code_uploader`` the launcher set (:meth:`HFJobsExecutor.set_code_uploader`; the launcher stores
+it in the run's own store, ``<run>/code/<wheel>``), and each Job then installs the package's
+requirements from the index, fetches the wheel with the run's storage credentials, checks its
+SHA-256 against the one in the Job's command (``_fetch_code.py``) and ``pip install``s it with
+``extras``. ``install="<pip requirement>"`` installs that instead (e.g. a published release), and
+``install=None`` runs an image that already has the package.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-from diloco_serverless import __version__
 from diloco_serverless.errors import ExecutorError
+from diloco_serverless.executors import _fetch_code
+from diloco_serverless.executors._package import build_wheel, package_requirements
 from diloco_serverless.executors.base import (
+    CODE_SHA256_ENV,
+    CODE_URL_ENV,
+    CODE_VERSION_ENV,
+    SETUP_ERROR_MARKER,
     STORAGE_CONFIG_ENV,
     STORAGE_SECRET_ENV,
+    CodeUploader,
     ExecutorUnavailable,
     ReplicaHandle,
     ReplicaResult,
     ReplicaState,
     ReplicaStatus,
+    ShippedCode,
     check_replica_count,
     collect_by_polling,
     run_id_from_url,
     run_url_from,
+    setup_error_reason,
     split_secret_env,
 )
 
 DEFAULT_IMAGE = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
-DEFAULT_INSTALL = f"diloco-serverless[s3,gcs,hf]=={__version__}"
+#: ``install`` value that ships the running package's code (the default).
+LOCAL_CODE = "local"
+DEFAULT_INSTALL = LOCAL_CODE
+DEFAULT_EXTRAS = ("s3", "gcs", "hf")
+#: where a Job writes the fetched wheel (expanded by the Job's shell)
+CODE_DIR = "${TMPDIR:-/tmp}/diloco-code"
+_SAFE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+#: log lines read to tell a setup error from a success once a Job is COMPLETED
+_MARKER_TAIL = 40
 
 _STAGES: dict[str, ReplicaStatus] = {
     "SCHEDULING": ReplicaStatus.PENDING,
@@ -79,10 +107,19 @@ def current_endpoint(hub: Any | None = None) -> str:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+_LABEL_MAX = 63
 
 
-def _label(value: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", value)[:63].strip("-") or "unnamed"
+def label_value(value: str) -> str:
+    """``value`` as a Job label value: letters, digits, ``-`` and ``_`` only (the Hub stores labels
+    as tags, which allow nothing else; see ``huggingface_hub._jobs_api._sanitize_job_name``), at
+    most 63 characters. A value that had to change gets ``-<8 hex of its SHA-256>`` so that
+    distinct run ids (``a.b`` and ``a-b``) keep distinct labels; a plain value is kept as it is."""
+    clean = re.sub(r"[^A-Za-z0-9_-]+", "-", value).strip("-")
+    if clean == value and 0 < len(value) <= _LABEL_MAX:
+        return value
+    digest = hashlib.sha256(value.encode()).hexdigest()[:8]
+    return f"{clean[:_LABEL_MAX - 9].rstrip('-') or 'x'}-{digest}"
 
 
 class HFJobsExecutor:
@@ -99,8 +136,12 @@ class HFJobsExecutor:
         namespace: user or org owning the Jobs (default: the token's user, via ``whoami``).
         endpoint: Hub endpoint (default ``HF_ENDPOINT`` / https://huggingface.co); the token is sent there.
         token: HF token (default ``HF_TOKEN`` or the token saved by ``hf auth login``).
-        retries: re-runs of a failed Job (Jobs ``attempts = retries + 1``).
-        install: pip requirement installed in the Job before the replica starts; None to skip.
+        retries: re-runs of a failed Job (Jobs ``attempts = retries + 1``); exit code 2 is never re-run.
+        install: ``"local"`` (default): ship the running package's code (needs a code uploader, see
+            :meth:`set_code_uploader`; ``diloco launch`` sets one); a pip requirement (e.g.
+            ``"diloco-serverless[s3,gcs,hf]==0.1.0"`` for a published release) to install instead;
+            None (or ``"none"``) when the image already has the package.
+        extras: the package's extras installed with shipped code (default s3, gcs, hf).
         poll_interval_s: how often ``collect`` polls the Jobs API.
 
     Raises ExecutorUnavailable (before anything is launched) without ``huggingface_hub``, without a
@@ -121,6 +162,7 @@ class HFJobsExecutor:
         *,
         retries: int = 2,
         install: str | None = DEFAULT_INSTALL,
+        extras: Sequence[str] = DEFAULT_EXTRAS,
         forward_credentials: bool = True,
         poll_interval_s: float = 10.0,
     ) -> None:
@@ -131,8 +173,23 @@ class HFJobsExecutor:
         token = token or os.environ.get("HF_TOKEN") or hub.get_token()
         if not token:
             raise ExecutorUnavailable("hf-jobs executor: no Hugging Face token; set HF_TOKEN or run `hf auth login`")
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ExecutorUnavailable(f"hf-jobs executor: retries must be an integer >= 0, got {retries!r}")
+        if isinstance(install, str) and install.strip().lower() in ("", "none"):
+            install = None
+        if isinstance(extras, str):
+            extras = [e.strip() for e in extras.split(",") if e.strip()]
+        bad = [e for e in extras if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", e)]
+        if bad:
+            raise ExecutorUnavailable(f"hf-jobs executor: extras must be plain names, got {bad}")
         self.flavor, self.image, self.timeout = flavor, image, timeout
         self.retries, self.install, self.poll_interval_s = retries, install, poll_interval_s
+        self.extras = tuple(extras)
+        self._code_uploader: CodeUploader | None = None
+        #: what the last launch shipped (None before, or when ``install`` is not "local")
+        self.shipped_code: ShippedCode | None = None
+        #: outcomes of COMPLETED Jobs once read (a finished Job's log does not change)
+        self._final: dict[str, ReplicaState] = {}
         self._secrets = self._resolve_secrets(secrets, forward_credentials)
         self._forwarded_env = (
             {k: os.environ[k] for k in STORAGE_CONFIG_ENV if k in os.environ} if forward_credentials else {}
@@ -198,13 +255,62 @@ class HFJobsExecutor:
         return self._namespace
 
     # --- launch -----------------------------------------------------------------------------
-    def command(self, entrypoint: str, entrypoint_args: Sequence[str]) -> list[str]:
-        """The Job command: ``python -m entrypoint args`` (after ``pip install`` when ``install`` is set)."""
-        run = ["python", "-m", entrypoint, *map(str, entrypoint_args)]
-        if self.install is None:
-            return run
-        script = f"pip install --quiet {shlex.quote(self.install)} && exec {shlex.join(run)}"
-        return ["bash", "-c", script]
+    def set_code_uploader(self, uploader: CodeUploader | None) -> None:
+        """Where shipped code goes: ``uploader(filename, data) -> url`` stores the wheel (the launcher
+        writes ``<run>/code/<filename>`` in the run's store) and returns the URL replicas read it from."""
+        self._code_uploader = uploader
+
+    def ship_code(self) -> ShippedCode:
+        """Build the wheel of the running package and upload it; ExecutorUnavailable without an uploader."""
+        if self._code_uploader is None:
+            raise ExecutorUnavailable(
+                "hf-jobs executor: install='local' ships this package's code through the run's store, but no code "
+                "uploader is set (diloco launch sets one; from Python call executor.set_code_uploader(fn)); or pass "
+                "install='<pip requirement>' / install=None for an image that has the package")
+        wheel = build_wheel()
+        url = self._code_uploader(wheel.filename, wheel.data)
+        if not isinstance(url, str) or not url:
+            raise ExecutorError(f"hf-jobs executor: the code uploader returned {url!r}, not a URL of {wheel.filename}")
+        return ShippedCode(url=url, sha256=wheel.sha256, version=wheel.version, filename=wheel.filename)
+
+    def command(self, entrypoint: str, entrypoint_args: Sequence[str], code: ShippedCode | None = None) -> list[str]:
+        """The Job command: ``bash -c`` of the install steps (per ``install``), then the replica.
+
+        The replica runs as a child of the shell, which forwards SIGTERM (a cancelled Job) to it and
+        turns its exit code 2 (a setup error) into :data:`SETUP_ERROR_MARKER` plus exit 0, so the
+        Hub's ``attempts`` do not re-run it; any other code is the Job's exit code.
+        """
+        pip = "python -m pip install --quiet"
+        steps = [
+            "export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore",
+            f'setup_error() {{ echo "{SETUP_ERROR_MARKER}: $1"; exit 0; }}',
+        ]
+        if self.install == LOCAL_CODE:
+            if code is None:
+                raise ExecutorError("hf-jobs executor: install='local' needs the shipped code (see ship_code)")
+            if not (_SAFE.match(code.filename) and re.fullmatch(r"[0-9a-f]{64}", code.sha256)):
+                raise ExecutorError(f"hf-jobs executor: unexpected wheel name or SHA-256: {code.filename!r}")
+            wheel = f"{CODE_DIR}/{code.filename}"  # only safe characters: fine inside double quotes
+            extras = f"[{','.join(self.extras)}]" if self.extras else ""
+            steps += [
+                f"echo '[diloco] installing {code.filename}: the requirements, then the shipped wheel'",
+                f"{pip} {shlex.join(package_requirements(self.extras))} || exit $?",
+                f'python -c {shlex.quote(_fetch_source())} {shlex.quote(code.url)} {code.sha256} "{wheel}"'
+                " || { c=$?; [ \"$c\" = 2 ] && setup_error 'the shipped code was not installed'; exit \"$c\"; }",
+                f'{pip} "{wheel}{extras}" || exit $?',
+            ]
+        elif self.install is not None:
+            steps.append(f"{pip} {shlex.quote(self.install)} || exit $?")
+        run = shlex.join(["python", "-m", entrypoint, *map(str, entrypoint_args)])
+        steps += [
+            f"{run} &",
+            "pid=$!",
+            "trap 'kill -TERM \"$pid\" 2>/dev/null' TERM INT",
+            "while :; do wait \"$pid\"; code=$?; kill -0 \"$pid\" 2>/dev/null || break; done",
+            "[ \"$code\" = 2 ] && setup_error 'the replica exited with code 2'",
+            "exit \"$code\"",
+        ]
+        return ["bash", "-c", "\n".join(steps)]
 
     def launch_replicas(
         self,
@@ -213,20 +319,26 @@ class HFJobsExecutor:
         entrypoint_args: Sequence[str],
         env: Mapping[str, str] | None = None,
     ) -> list[ReplicaHandle]:
-        """Submit one Job per rank; if a submission fails, cancel the submitted ones and raise."""
+        """Ship the code (``install="local"``), then submit one Job per rank; if a submission fails,
+        cancel the submitted ones and raise."""
         check_replica_count(n_replicas, self.kind)
         plain, secret = split_secret_env({**self._forwarded_env, **(env or {})})
         secrets = {**self._secrets, **secret}
         run_id = run_id_from_url(run_url_from(env, entrypoint_args)) or "unnamed"
-        command = self.command(entrypoint, entrypoint_args)
+        code = self.ship_code() if self.install == LOCAL_CODE else None
+        self.shipped_code = code
+        if code is not None:
+            plain.update({CODE_URL_ENV: code.url, CODE_SHA256_ENV: code.sha256, CODE_VERSION_ENV: code.version})
+        command = self.command(entrypoint, entrypoint_args, code)
+        labels = {"diloco-run": label_value(run_id)}
         handles: list[ReplicaHandle] = []
         for rank in range(n_replicas):
             try:
                 job = self._api.run_job(
                     image=self.image, command=command, env={**plain, "REPLICA_RANK": str(rank)},
                     secrets=secrets or None, flavor=self.flavor, timeout=self.timeout,
-                    attempts=self.retries + 1, labels={"diloco-run": _label(run_id), "diloco-rank": str(rank)},
-                    name=_label(f"diloco-{run_id}-rank-{rank}"), namespace=self.namespace,
+                    attempts=self.retries + 1, labels={**labels, "diloco-rank": str(rank)},
+                    name=label_value(f"diloco-{run_id}-rank-{rank}"), namespace=self.namespace,
                 )
             except Exception as exc:
                 self.cancel(handles)
@@ -234,8 +346,11 @@ class HFJobsExecutor:
                     f"hf-jobs executor: submitting rank {rank} of run {run_id!r} failed ({exc}); "
                     f"cancelled the {len(handles)} job(s) already submitted"
                 ) from exc
-            data = {"job_id": job.id, "namespace": self.namespace, "endpoint": self.endpoint,
-                    "url": job.url, "run_id": run_id, "flavor": self.flavor}
+            data: dict[str, Any] = {"job_id": job.id, "namespace": self.namespace, "endpoint": self.endpoint,
+                                    "url": job.url, "run_id": run_id, "label": labels["diloco-run"],
+                                    "flavor": self.flavor}
+            if code is not None:
+                data.update(code_sha256=code.sha256, code_version=code.version)
             handles.append(ReplicaHandle(kind=self.kind, rank=rank, data=data))
         return handles
 
@@ -259,14 +374,40 @@ class HFJobsExecutor:
                 f"hf-jobs executor: inspecting rank {handle.rank} (job {job_id}) failed: {exc}"
             ) from exc
         stage = str(getattr(job.status.stage, "value", job.status.stage))
-        status = _STAGES.get(stage, ReplicaStatus.PENDING)
+        detail = {"job_id": job_id, "stage": stage, "url": f"{self.endpoint}/jobs/{ns}/{job_id}"}
+        status = _STAGES.get(stage)
+        if status is None:
+            return ReplicaState(rank=handle.rank, status=ReplicaStatus.UNKNOWN, detail=detail,
+                                reason=f"job {job_id} is in stage {stage!r}, which this version does not know")
+        if status is ReplicaStatus.SUCCEEDED:
+            return self._completed(handle, job_id, ns, detail)
         message = job.status.message
-        reason = message if status is not ReplicaStatus.SUCCEEDED else None
+        reason = message
         if status is ReplicaStatus.FAILED and not reason:
             reason = f"job {job_id} ended in stage {stage}"
-        exit_code = 0 if status is ReplicaStatus.SUCCEEDED else _exit_code(message)
-        detail = {"job_id": job_id, "stage": stage, "url": f"{self.endpoint}/jobs/{ns}/{job_id}"}
-        return ReplicaState(rank=handle.rank, status=status, reason=reason, exit_code=exit_code, detail=detail)
+        return ReplicaState(rank=handle.rank, status=status, reason=reason, exit_code=_exit_code(message),
+                            detail=detail)
+
+    def _completed(self, handle: ReplicaHandle, job_id: str, ns: str, detail: dict[str, Any]) -> ReplicaState:
+        """A COMPLETED Job: succeeded, or failed when its log ends with the setup-error marker."""
+        known = self._final.get(job_id)
+        if known is None:
+            try:
+                lines = [ln.rstrip("\n") for ln in self._api.fetch_job_logs(job_id=job_id, namespace=ns,
+                                                                             tail=_MARKER_TAIL)]
+            except Exception as exc:  # asked again at the next poll
+                return ReplicaState(rank=handle.rank, status=ReplicaStatus.UNKNOWN, detail=detail,
+                                    reason=f"job {job_id} completed, but its log could not be read to tell a setup "
+                                    f"error from a success ({type(exc).__name__})")
+            tail = "\n".join(lines)
+            if any(ln.startswith(SETUP_ERROR_MARKER) for ln in lines):
+                known = ReplicaState(rank=handle.rank, status=ReplicaStatus.FAILED, exit_code=2, detail=detail,
+                                     reason=f"setup error, not retried: {setup_error_reason(tail)}")
+            else:
+                known = ReplicaState(rank=handle.rank, status=ReplicaStatus.SUCCEEDED, exit_code=0, detail=detail)
+            self._final[job_id] = known
+        return ReplicaState(rank=handle.rank, status=known.status, reason=known.reason, exit_code=known.exit_code,
+                            detail=detail)
 
     def collect(
         self, handles: Sequence[ReplicaHandle], timeout: float | timedelta | None = None
@@ -298,6 +439,11 @@ class HFJobsExecutor:
                 errors.append(f"rank {h.rank} (job {h.data.get('job_id')!r}): {why}")
         if errors:
             raise ExecutorError("hf-jobs executor: could not cancel " + "; ".join(errors))
+
+
+def _fetch_source() -> str:
+    """The text of ``_fetch_code.py``, run with ``python -c`` in a Job before the package is installed."""
+    return Path(_fetch_code.__file__).read_text("utf-8")
 
 
 def _exit_code(message: str | None) -> int | None:

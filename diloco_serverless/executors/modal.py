@@ -7,45 +7,51 @@ launching process exits. Handles carry the ``FunctionCall`` id; any process with
 can poll (``FunctionCall.get(timeout=0)``), cancel or read logs later.
 
 Alternatively deploy the App once (``modal deploy -m diloco_serverless.entrypoints.modal_app``) and
-pass ``deployed_app="diloco-serverless"``: launches then use ``Function.from_name``.
+pass ``deployed_app="diloco-serverless"``: launches then use ``Function.from_name``, with this
+launch's GPU, secrets, timeout and retries (``retries=0`` included) set by ``with_options``.
 
-Image: ``debian_slim`` (this Python version) with this package's requirements plus the local
-source when it runs from a source checkout (``local_source=None``, the default, detects this:
-the package's parent folder holds a pyproject.toml naming diloco-serverless), else with
-``diloco-serverless[<extras>]==<this version>`` pip-installed; ``local_source=True``/``False``
-forces either, ``package=`` names another pip requirement, or pass any ``image``. Storage
-credentials reach the containers only through Modal Secrets that you create and name in
-``secrets`` (``modal secret create ...``): credential-looking variables in ``env`` are dropped
-with a warning instead of being sent.
+Image: ``debian_slim`` (this Python version) with this package's requirements (from the checkout's
+pyproject.toml, or the installed metadata) plus the source of the running package
+(``Image.add_local_python_source``, which works for a checkout and for an installed package in
+site-packages, pipx or ``uv tool`` alike): every replica runs the code that launched it. Installing
+a published release instead is explicit: ``local_source=False`` pip-installs
+``diloco-serverless[<extras>]==<this version>``, ``package=`` names any pip requirement, or pass
+your own ``image``. Launches run inside ``modal.enable_output()`` (``show_output=True``), so the first
+image build shows its progress. Storage credentials reach the containers only through Modal
+Secrets that you create and name in ``secrets`` (``modal secret create ...``): credential-looking
+variables in ``env`` are dropped with a warning instead of being sent.
 
 Failure mapping: a replica exiting non-zero raises ReplicaProcessError remotely; Modal retries it
 (``modal.Retries``, also after preemption) and reports ``failed`` once retries are exhausted, with
-the exit code and output tail. A function timeout is ``failed`` ("timed out"); a cancelled call is
-``cancelled``; an expired result (Modal keeps outputs for a limited time) is ``failed`` with that reason.
+the exit code and output tail. Exit code 2 (a setup error) is returned as the call's result instead,
+so Modal does not retry it, and is ``failed`` with the replica's ``error:`` line. A function timeout
+is ``failed`` ("timed out"); a cancelled call is ``cancelled``. A call waiting for a container is
+``pending`` and one with a container ``running`` (from ``FunctionCall.get_call_graph``); when Modal
+cannot say, or no longer keeps the result (``OutputExpiredError``), the state is ``unknown`` with the
+reason, and callers defer to the replica's heartbeat in the store. Modal does not tell a container
+its retry number, so ``DILOCO_ATTEMPT`` is not set remotely.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from importlib.metadata import PackageNotFoundError, requires
 from pathlib import Path
 from typing import Any
 
-from packaging.requirements import Requirement
-
 from diloco_serverless import __version__
-from diloco_serverless.config import (
-    RUN_KEY_ENV,
-    tomllib,  # the stdlib module, or tomli on 3.10
-)
+from diloco_serverless.config import RUN_KEY_ENV
 from diloco_serverless.errors import ExecutorError
+from diloco_serverless.executors import _package
+from diloco_serverless.executors._package import DIST_NAME, IMPORT_NAME, package_requirements, source_checkout_root
 from diloco_serverless.executors._remote import run_replica_process
 from diloco_serverless.executors.base import (
+    SETUP_ERROR_EXIT_CODE,
     ExecutorUnavailable,
     ReplicaHandle,
     ReplicaResult,
@@ -57,6 +63,9 @@ from diloco_serverless.executors.base import (
     run_url_from,
     split_secret_env,
 )
+
+__all__ = ["DIST_NAME", "ModalExecutor", "build_app", "default_image", "function_options", "normalize_gpu",
+           "package_requirements", "ships_local_source", "source_checkout_root"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,98 +110,38 @@ def normalize_gpu(gpu: str | None) -> str | None:
     return f"{canonical}:{count}" if sep else canonical
 
 
-#: The folder of the imported ``diloco_serverless`` package (tests point it elsewhere).
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
-DIST_NAME = "diloco-serverless"
-
-
-def source_checkout_root(package_dir: Path | None = None) -> Path | None:
-    """The checkout holding ``package_dir`` (default :data:`PACKAGE_DIR`), or None.
-
-    A checkout is a parent folder with a ``pyproject.toml`` whose ``[project] name`` is
-    diloco-serverless (an editable install or ``PYTHONPATH=.``); a wheel in site-packages has
-    none. An unreadable or malformed pyproject.toml counts as "not a checkout".
-    """
-
-    root = Path(package_dir or PACKAGE_DIR).parent
-    try:
-        with (root / "pyproject.toml").open("rb") as fh:
-            name = tomllib.load(fh).get("project", {}).get("name", "")
-    except (OSError, tomllib.TOMLDecodeError):
-        return None
-    return root if isinstance(name, str) and re.sub(r"[-_.]+", "-", name).lower() == DIST_NAME else None
-
-
-def _requirement_texts() -> list[str]:
-    """Requirement strings of the source that goes into the image: the checkout's pyproject.toml
-    when running from one (an editable install's metadata can be older), else the installed
-    distribution's metadata. ExecutorUnavailable if neither is there."""
-
-
-    root = source_checkout_root()
-    if root is not None:
-        project = tomllib.loads((root / "pyproject.toml").read_text("utf-8")).get("project", {})
-        if "dependencies" in project:  # else declared dynamic: the metadata has them
-            extra = [_with_extra_marker(r, e) for e, reqs in project.get("optional-dependencies", {}).items()
-                     for r in reqs]
-            return [*project["dependencies"], *extra]
-    try:
-        return list(requires(DIST_NAME) or [])
-    except PackageNotFoundError:
-        raise ExecutorUnavailable(
-            f"modal executor: cannot find the requirements of {DIST_NAME} (not installed, no pyproject.toml "
-            "next to the package); run pip install -e . in your checkout") from None
-
-
-def _with_extra_marker(requirement: str, extra: str) -> str:
-    """``"x>=1; python_version<'3.11'"`` -> ``"x>=1; (python_version<'3.11') and extra == 'dev'"``."""
-    req, _, marker = requirement.partition(";")
-    marker = f"({marker.strip()}) and " if marker.strip() else ""
-    return f"{req.strip()}; {marker}extra == '{extra}'"
-
-
-def package_requirements(extras: Sequence[str]) -> list[str]:
-    """This distribution's requirements with ``extras`` (for images built from local source)."""
-    out = []
-    for text in _requirement_texts():
-        req = Requirement(text)
-        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (*extras, "")):
-            req.marker = None
-            out.append(str(req))  # keeps extras such as moto[server]
-    return out
-
-
 def ships_local_source(local_source: bool | None, package: str | None = None) -> bool:
-    """Resolve ``local_source``: True/False as given; None ("auto") = ship the local source when
-    no ``package`` is named and this package runs from a source checkout (its version is
-    likely not on PyPI), else pip-install."""
+    """Resolve ``local_source``: True/False as given; None (the default, "auto") ships the running
+    package's source unless a ``package`` to pip-install is named."""
     if local_source is not None:
         return bool(local_source)
-    root = None if package else source_checkout_root()
-    if root is not None:
-        logger.info("modal executor: %s runs from the source checkout %s; shipping its source to the "
-                    "image (local_source=False pip-installs %s==%s instead)", DIST_NAME, root, DIST_NAME,
-                    __version__)
-    return root is not None
+    return package is None
 
 
 def default_image(modal: Any, *, extras: Sequence[str] = ("s3", "gcs"), package: str | None = None,
                   local_source: bool | None = None, python_version: str | None = None) -> Any:
-    """``Image.debian_slim`` with this package's local source or this package (same version +
-    extras) pip-installed; ``local_source=None`` picks per :func:`ships_local_source`."""
+    """``Image.debian_slim`` with this package's requirements and the source of the running package
+    (:func:`ships_local_source`), or with ``package`` / ``diloco-serverless[extras]==<version>``
+    pip-installed when asked for explicitly."""
     py = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
     image = modal.Image.debian_slim(python_version=py)
     if ships_local_source(local_source, package):
-        return image.pip_install(*package_requirements(extras)).add_local_python_source("diloco_serverless")
-    spec = package or f"diloco-serverless[{','.join(extras)}]=={__version__}"
+        root = source_checkout_root()
+        where = f"the checkout {root}" if root is not None else f"the installed package at {_package.PACKAGE_DIR}"
+        logger.info("modal executor: shipping the source of %s from %s to the image", DIST_NAME, where)
+        return image.pip_install(*package_requirements(extras)).add_local_python_source(IMPORT_NAME)
+    spec = package or f"{DIST_NAME}[{','.join(extras)}]=={__version__}"
     return image.pip_install(spec)
 
 
 def function_options(
     modal: Any, *, gpu: str | None, secrets: Sequence[str], timeout_s: int, retries: int
 ) -> dict[str, Any]:
-    """Keyword arguments for ``app.function`` / ``Function.with_options`` (GPU, secrets, timeout, retries)."""
-    policy = modal.Retries(max_retries=retries, backoff_coefficient=2.0, initial_delay=10.0) if retries else None
+    """Keyword arguments for ``app.function`` / ``Function.with_options`` (GPU, secrets, timeout, retries).
+
+    ``retries`` is always a ``modal.Retries``, 0 included: ``with_options(retries=None)`` would keep
+    the deployed function's own policy."""
+    policy = modal.Retries(max_retries=retries, backoff_coefficient=2.0, initial_delay=10.0)
     return {
         "gpu": gpu,
         "secrets": [modal.Secret.from_name(name) for name in secrets],
@@ -228,9 +177,10 @@ class ModalExecutor:
         app_name: name of the ephemeral App (default ``diloco-<run id>``).
         deployed_app: launch against this deployed App's ``run_replica`` instead of building one.
         extras / package / python_version: see :func:`default_image`.
-        local_source: ship this checkout's source (True), pip-install ``diloco-serverless==<version>``
-            (False), or None/"auto" (default): ship it when running from a source checkout.
+        local_source: ship the running package's source (True; None/"auto", the default, does too
+            unless ``package`` is named), or pip-install the published ``diloco-serverless==<version>`` (False).
         environment_name: Modal environment (default: the profile's).
+        show_output: run the launch inside ``modal.enable_output()`` (image build progress, App URL).
         poll_interval_s: how often ``collect`` polls.
 
     Raises ExecutorUnavailable (before anything is launched or billed) without the SDK, without
@@ -254,6 +204,7 @@ class ModalExecutor:
         local_source: bool | str | None = None,
         python_version: str | None = None,
         environment_name: str | None = None,
+        show_output: bool = True,
         poll_interval_s: float = 10.0,
     ) -> None:
         self._modal = import_modal()
@@ -278,7 +229,7 @@ class ModalExecutor:
         self._image_options: dict[str, Any] = {
             "extras": tuple(extras), "package": package, "local_source": local_source, "python_version": python_version,
         }
-        self.poll_interval_s = poll_interval_s
+        self.poll_interval_s, self.show_output = poll_interval_s, bool(show_output)
 
     @classmethod
     def from_handle(cls, handle: ReplicaHandle, *, run_url: str | None = None, **options: Any) -> ModalExecutor:
@@ -328,19 +279,40 @@ class ModalExecutor:
         run_id = run_id_from_url(run_url_from(env, entrypoint_args)) or "unnamed"
         app, fn = self._function(run_id)
         args = [str(a) for a in entrypoint_args]
-        if app is None:
-            calls = self._spawn_all(fn, n_replicas, entrypoint, args, plain)
-            app_id, app_name = None, self.deployed_app
-        else:
-            with app.run(detach=True, environment_name=self.environment_name):
+        with self._output():
+            if app is None:
                 calls = self._spawn_all(fn, n_replicas, entrypoint, args, plain)
-                app_id, app_name = app.app_id, app.name
+                app_id, app_name = None, self.deployed_app
+            else:
+                with app.run(detach=True, environment_name=self.environment_name):
+                    calls = self._spawn_all(fn, n_replicas, entrypoint, args, plain)
+                    app_id, app_name = app.app_id, app.name
         return [
             ReplicaHandle(kind=self.kind, rank=rank, data={
                 "function_call_id": fc.object_id, "app_id": app_id, "app_name": app_name, "gpu": self.gpu,
                 "run_id": run_id})
             for rank, fc in enumerate(calls)
         ]
+
+    @contextlib.contextmanager
+    def _output(self) -> Iterator[None]:
+        """``modal.enable_output()`` (the App's URL, the image build, the replicas' first log lines)
+        unless ``show_output=False``.
+
+        With output enabled, ``App.run`` streams the App's logs and, on leaving, waits up to Modal's
+        ``logs_timeout`` (10 s) for them to end, then warns "Timed out waiting for final app logs".
+        A detached App's logs end only with the run, so that warning is expected here and dropped."""
+        if not self.show_output:
+            yield
+            return
+        modal_logger = logging.getLogger("modal-client")
+        quiet = _DropMessage("Timed out waiting for final app logs")
+        modal_logger.addFilter(quiet)
+        try:
+            with self._modal.enable_output():
+                yield
+        finally:
+            modal_logger.removeFilter(quiet)
 
     def _spawn_all(self, fn: Any, n: int, entrypoint: str, args: list[str], env: dict[str, str]) -> list[Any]:
         calls: list[Any] = []
@@ -377,17 +349,20 @@ class ModalExecutor:
         exc_mod = self._modal.exception
         rank, detail = handle.rank, {"function_call_id": self._call_id(handle)}
 
-        def state(status: ReplicaStatus, reason: str | None = None, code: int | None = None) -> ReplicaState:
-            return ReplicaState(rank=rank, status=status, reason=reason, exit_code=code, detail=detail)
+        def state(status: ReplicaStatus, reason: str | None = None, code: int | None = None,
+                  **more: Any) -> ReplicaState:
+            return ReplicaState(rank=rank, status=status, reason=reason, exit_code=code, detail={**detail, **more})
 
+        call = self._call(handle)
         try:
-            self._call(handle).get(timeout=0)
+            result = call.get(timeout=0)
         except exc_mod.FunctionTimeoutError as exc:
             return state(ReplicaStatus.FAILED, f"timed out after the Modal function timeout ({exc})")
         except exc_mod.OutputExpiredError:
-            return state(ReplicaStatus.FAILED, "result expired on Modal (older than its retention); check the store")
+            return state(ReplicaStatus.UNKNOWN, "the call ended, but Modal no longer keeps its result (older than its "
+                         "retention); the replica's heartbeat in the store tells how it ended", ended=True)
         except exc_mod.TimeoutError:
-            return state(ReplicaStatus.RUNNING)
+            return self._unfinished(call, state)
         except exc_mod.InputCancellation:
             return state(ReplicaStatus.CANCELLED, "cancelled")
         except exc_mod.RemoteError as exc:
@@ -401,7 +376,29 @@ class ModalExecutor:
             raise ExecutorError(f"modal executor: polling rank {rank} failed: {exc}") from exc
         except Exception as exc:  # the replica's own exception, re-raised locally by Modal
             return state(ReplicaStatus.FAILED, _first_line(exc), _exit_code(str(exc)))
-        return state(ReplicaStatus.SUCCEEDED, code=0)
+        code = result.get("exit_code", 0) if isinstance(result, Mapping) else 0
+        if code in (0, None):
+            return state(ReplicaStatus.SUCCEEDED, code=0)
+        why = str(result.get("reason") or f"exited with code {code}")
+        if code == SETUP_ERROR_EXIT_CODE:
+            why = f"setup error, not retried: {why}"
+        return state(ReplicaStatus.FAILED, why, int(code) if isinstance(code, int) else None)
+
+    @staticmethod
+    def _unfinished(call: Any, state: Callable[..., ReplicaState]) -> ReplicaState:
+        """A call without a result yet: ``running`` once a container took its input, ``pending`` while
+        it waits for one (``FunctionCall.get_call_graph``), ``unknown`` when Modal does not say."""
+        try:
+            graph = list(call.get_call_graph())
+        except Exception as exc:  # best effort: the call graph is not a promise of Modal's
+            return state(ReplicaStatus.UNKNOWN, f"not finished; Modal did not say whether it is queued or running "
+                         f"({type(exc).__name__})")
+        mine = [i for i in graph if getattr(i, "function_call_id", None) == call.object_id]
+        if not mine:
+            return state(ReplicaStatus.UNKNOWN, "not finished; Modal did not say whether it is queued or running")
+        if any(getattr(i, "task_id", "") for i in mine):
+            return state(ReplicaStatus.RUNNING)
+        return state(ReplicaStatus.PENDING, "queued: waiting for a container")
 
     def collect(
         self, handles: Sequence[ReplicaHandle], timeout: float | timedelta | None = None
@@ -424,6 +421,15 @@ class ModalExecutor:
                 errors.append(f"rank {h.rank} ({h.data.get('function_call_id')}): {exc}")
         if errors:
             raise ExecutorError("modal executor: could not cancel " + "; ".join(errors))
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.prefix)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,12 +15,15 @@ type, SDK and tokens, the store (a probe object is written, read back and delete
 Failure: bad input raises :class:`LaunchError` (a ``ValueError``) with a one-line fix and leaves
 nothing behind; a replica that fails for good makes :meth:`Run.wait` raise :class:`RunFailed`
 naming the rank and reason; :meth:`Run.wait` with ``max_usd`` cancels the run and raises
-:class:`BudgetExceeded` before the estimate crosses the budget.
+:class:`BudgetExceeded` before the estimate crosses the budget. Every store operation made for a
+run is bounded by the run's ``store_timeout_s`` (or ``Run.attach(..., store_timeout_s=...)``), so an
+unresponsive store raises ``StoreUnavailable`` naming the URL within about that time.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -29,11 +32,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from diloco_serverless.config import RunConfig
+from diloco_serverless.config import STORE_TIMEOUT_S, RunConfig
 from diloco_serverless.errors import DilocoError, LaunchError, one_line
 from diloco_serverless.executors.base import ServerlessExecutor
 from diloco_serverless.executors.registry import executor_from_launch, executor_kind
 from diloco_serverless.launcher import pricing
+from diloco_serverless.launcher.hub import check_push_ready, push_final, tokens_trained
 from diloco_serverless.launcher.plot import as_number, curves, plot_losses
 from diloco_serverless.launcher.preflight import check_launch, check_max_usd, resolve_config
 from diloco_serverless.launcher.replicas import (
@@ -56,13 +60,24 @@ from diloco_serverless.run.integrity import load_local_key, new_run_key, save_lo
 from diloco_serverless.run.layout import (
     FINAL_PREFIX,
     METRICS_PREFIX,
+    code_key,
     log_key,
     metrics_prefix,
 )
 from diloco_serverless.run.members import read_members
-from diloco_serverless.run.record import RunRecord, create_run, load_run, record_launch
+from diloco_serverless.run.record import (
+    RunRecord,
+    create_run,
+    load_run,
+    record_launch,
+    store_policy,
+    timeout_policy,
+)
 from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.tracking import Tracker, TrackingError, check_backends
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["launch", "Run", "LaunchError", "RunFailed", "BudgetExceeded"]
 
@@ -98,6 +113,7 @@ class Run:
         self._executor = executor
         self._executor_error = executor_error
         self._metrics_cache: dict[str, dict[str, Any]] = {}
+        self._last_metrics: dict[int, list[dict[str, Any]]] = {}  # what the latest status() read
 
     # ------------------------------------------------------------------ identity
     @property
@@ -132,16 +148,23 @@ class Run:
 
     @classmethod
     def attach(cls, url: str, *, executor: ServerlessExecutor | None = None,
-               storage_options: dict[str, Any] | None = None) -> Run:
+               storage_options: dict[str, Any] | None = None, store_timeout_s: float | None = None) -> Run:
         """Open an existing run. Raises ``RunNotFound`` (a FileNotFoundError) if there is none.
 
         The executor is rebuilt from the launch record; when its SDK or token is missing here
         (e.g. a Modal run looked at from a laptop without ``modal``), status falls back to
         heartbeats and :meth:`cancel` raises a LaunchError saying what to install.
+
+        ``store_timeout_s`` bounds every store operation of this handle, the read of run.json
+        included (``StoreUnavailable`` naming the URL when it passes); None reads run.json within
+        the default ``STORE_TIMEOUT_S`` and then uses the run's own ``store_timeout_s``.
         """
-        store = ObjectStore(url, storage_options)
+        store = ObjectStore(url, storage_options, retry=timeout_policy(
+            STORE_TIMEOUT_S if store_timeout_s is None else store_timeout_s))
         run_key = load_local_key(store.url)
         store, record = load_run(store, key=run_key)
+        if store_timeout_s is None:
+            store = store.with_retry(store_policy(record.config))
         error = None
         if executor is None and record.launch:
             executor, error = executor_from_launch(record.launch, run_url=store.url)
@@ -198,6 +221,8 @@ class Run:
         """
         now = time.time() if now is None else now
         metrics = self.metrics() if with_metrics else {}
+        if with_metrics:
+            self._last_metrics = metrics
         train, eval_curve = curves(metrics)
         walls = [as_number(recs[-1].get("wall_s")) or 0.0 for recs in metrics.values() if recs]
         stale_after_s = max([STALE_AFTER_S, *(3.0 * w for w in walls)])
@@ -254,6 +279,74 @@ class Run:
         """Write the loss curves PNG (see :func:`diloco_serverless.launcher.plot.plot_losses`)."""
         return plot_losses(self.metrics(), out, title=self.run_id)
 
+    # ------------------------------------------------------------------ tracking and the Hub
+    def open_tracker(self) -> Tracker:
+        """The trackers of ``config.tracking.backends`` for this run (TrackingError if one cannot start)."""
+        return Tracker.open(self.config, run_url=self.url)
+
+    def track(self, *, follow: bool = False, poll_interval_s: float = 2.0,
+              on_update: Callable[[RunStatus], None] | None = None) -> RunStatus:
+        """Log the run's per-round series to its configured trackers (``tracking.backends``): every
+        round written so far, and with ``follow`` every later one until the run ends; then the
+        summary. For a run launched with ``--detach`` (an attached launch tracks by itself).
+        Returns the last RunStatus; TrackingError when no backend is configured or one cannot start."""
+        if not self.config.tracking.backends:
+            raise TrackingError(f"run {self.run_id} has no tracking.backends; launch with --set "
+                                "tracking.backends=trackio (or wandb, tensorboard) to track a run")
+        tracker = self.open_tracker()
+        status = self.status()
+        try:
+            while True:
+                if on_update is not None:
+                    on_update(status)
+                tracker.update(self._last_metrics, done=status.done)
+                if status.done or not follow:
+                    break
+                time.sleep(poll_interval_s)
+                status = self.status()
+        finally:
+            tracker.finish(self.tracking_summary(status) if status.done else None)
+        return status
+
+    def tracking_summary(self, status: RunStatus) -> dict[str, float | str | None]:
+        """What a tracker's summary holds at the end of the run."""
+        return {
+            "final/state": status.state,
+            "final/eval_loss": status.eval_loss,
+            "final/train_loss": status.loss,
+            "final/rounds": status.round,
+            "final/tokens": tokens_trained(self._last_metrics),
+            "final/bytes_moved": status.bytes_moved,
+            "final/wall_s": status.elapsed_s,
+            "final/est_usd": status.est_usd,
+        }
+
+    def _tracker_or_none(self) -> Tracker | None:
+        """The run's trackers for :meth:`wait`: None without backends; a backend that cannot start is
+        a warning, never a reason to stop following (or billing) the run."""
+        if not self.config.tracking.backends:
+            return None
+        try:
+            return self.open_tracker()
+        except TrackingError as e:
+            logger.warning("tracking is off for run %s: %s", self.run_id, one_line(str(e)))
+            return None
+
+    def push_to_hub(self, repo_id: str | None = None, *, private: bool | None = None, api: Any = None) -> str:
+        """Upload ``final/`` with a model card and the loss plot to the Hub; return the repository URL.
+
+        ``repo_id`` ("ORG/NAME") defaults to the config's ``hub.repo_id``, ``private`` to ``hub.private``
+        (true). Refused (LaunchError) unless the run succeeded with a complete final model; the token
+        is this machine's (HF_TOKEN or ``hf auth login``). See :mod:`diloco_serverless.launcher.hub`.
+        """
+        repo = repo_id or self.config.hub.repo_id
+        if not repo:
+            raise LaunchError(f"no Hub repository for run {self.run_id}: name one (diloco push RUN ORG/NAME) "
+                              "or launch with --push-to-hub ORG/NAME")
+        status = self.status()
+        return push_final(self._store, self.config, status, self._last_metrics, repo,
+                          private=self.config.hub.private if private is None else private, api=api)
+
     # ------------------------------------------------------------------ control
     def cancel(self) -> None:
         """Cancel every replica through the executor recorded in run.json."""
@@ -265,13 +358,17 @@ class Run:
 
     def wait(self, *, timeout_s: float | None = None, poll_interval_s: float = 2.0,
              on_update: Callable[[RunStatus], None] | None = None,
-             max_usd: float | None = None) -> RunStatus:
+             max_usd: float | None = None, track: bool = True) -> RunStatus:
         """Poll until the run ends; return its final RunStatus.
 
         Raises RunFailed naming every failed rank (with the executor's reason), BudgetExceeded
         after cancelling the run when the next poll interval could cross ``max_usd``, and
         TimeoutError (the run keeps going) after ``timeout_s``. ``max_usd`` must be a finite
         positive number (LaunchError otherwise, before anything is polled).
+
+        With ``track`` (default) and ``tracking.backends`` in the config, every poll also logs the
+        rounds finished since the last one to those trackers, and the end of the run their summary
+        (:mod:`diloco_serverless.tracking`); a tracker that fails is dropped with a warning.
         """
         if max_usd is not None:
             max_usd = check_max_usd(max_usd, "max_usd")  # NaN, inf or <= 0 would disable the guard
@@ -280,21 +377,29 @@ class Run:
         if max_usd is not None and price is None:
             raise LaunchError(f"cannot enforce max_usd for run {self.run_id}: no price known for "
                               f"{self.executor_kind} GPU {self.gpu!r}; add it to diloco_serverless/pricing.py")
-        while True:
-            status = self.status()
-            if on_update is not None:
-                on_update(status)
-            if status.done:
-                return self._finish(status)
-            if max_usd is not None and _over_budget(status, price or 0.0, poll_interval_s, max_usd):
-                self.cancel()
-                raise BudgetExceeded(
-                    f"cancelled run {self.run_id}: estimated spend {status.est_usd or 0:.2f} USD would "
-                    f"exceed --max-usd {max_usd:.2f} before the next check; raise --max-usd to go further",
-                    status)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"run {self.url} still {status.state} after {timeout_s:.0f}s; it keeps running")
-            time.sleep(poll_interval_s)
+        tracker = self._tracker_or_none() if track else None
+        status: RunStatus | None = None
+        try:
+            while True:
+                status = self.status()
+                if on_update is not None:
+                    on_update(status)
+                if tracker is not None:
+                    tracker.update(self._last_metrics, done=status.done)
+                if status.done:
+                    return self._finish(status)
+                if max_usd is not None and _over_budget(status, price or 0.0, poll_interval_s, max_usd):
+                    self.cancel()
+                    raise BudgetExceeded(
+                        f"cancelled run {self.run_id}: estimated spend {status.est_usd or 0:.2f} USD would "
+                        f"exceed --max-usd {max_usd:.2f} before the next check; raise --max-usd to go further",
+                        status)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"run {self.url} still {status.state} after {timeout_s:.0f}s; it keeps running")
+                time.sleep(poll_interval_s)
+        finally:
+            if tracker is not None:
+                tracker.finish(self.tracking_summary(status) if status is not None and status.done else None)
 
     @property
     def usd_per_replica_hour(self) -> float | None:
@@ -350,19 +455,48 @@ def _launched_at(record: RunRecord) -> float | None:
         return None
 
 
+def check_extras(cfg: RunConfig) -> None:
+    """LaunchError before anything is created when the config's trackers or Hub push cannot work from
+    here (a tracker package missing, W&B without a login, no Hub token)."""
+    try:
+        check_backends(cfg.tracking)
+    except TrackingError as e:
+        raise LaunchError(str(e)) from None
+    if cfg.hub.repo_id is not None:
+        check_push_ready(cfg.hub.repo_id)
+
+
+def _ship_code_through(run_store: ObjectStore, executor: ServerlessExecutor) -> None:
+    """Executors that ship the launching code to their replicas (HF Jobs) upload it into the run's own
+    folder (``code/<wheel>``): no package index or extra permission needed. ``put``, not create-only,
+    so an object planted there cannot block a launch; the replicas check the SHA-256 the executor pins."""
+    setter = getattr(executor, "set_code_uploader", None)
+    if not callable(setter):
+        return
+
+    def upload(filename: str, data: bytes) -> str:
+        key = code_key(filename)
+        run_store.put(key, data)
+        return f"{run_store.url}/{key}"
+
+    setter(upload)
+
+
 def launch(config: RunConfig | str | Path | None = None, executor: ServerlessExecutor | str = "local", *,
            overrides: Sequence[str] = (), replicas: int | None = None, store: str | None = None,
            run_id: str | None = None, gpu: str | None = None,
            store_from_terraform: str | Path | None = None,
            executor_options: dict[str, Any] | None = None,
            storage_options: dict[str, Any] | None = None,
-           trust_remote_code: bool = False, overwrite: bool = False) -> Run:
+           trust_remote_code: bool = False, overwrite: bool = False,
+           store_timeout_s: float | None = None, push_to_hub: str | None = None) -> Run:
     """Validate, create the run in the store, start its replicas, record their handles.
 
     ``config`` is a RunConfig, a TOML path, or None for the defaults; ``overrides`` are
     ``key=value`` strings applied on top (on an object via :meth:`RunConfig.with_overrides`,
-    on a file or the defaults via :meth:`RunConfig.load`); ``replicas``/``store``/``run_id``
-    win over both.
+    on a file or the defaults via :meth:`RunConfig.load`); ``replicas``/``store``/``run_id``/
+    ``store_timeout_s`` win over both. The config's ``store_timeout_s`` bounds every store operation
+    of the launch (probe, create, record) and of the returned Run, and is what replicas use.
     ``executor`` is a kind ("local", "modal", "hf-jobs") built with ``executor_options`` and
     ``gpu``, or a ready ServerlessExecutor. ``store_from_terraform`` names a Terraform directory
     (or saved ``terraform output -json`` file) whose ``exchange_url`` becomes the store.
@@ -370,12 +504,17 @@ def launch(config: RunConfig | str | Path | None = None, executor: ServerlessExe
     A fresh run key signs run.json and reaches the replicas out of band (docs/security.md); this
     machine keeps a copy so that :meth:`Run.attach` here can verify the run. ``trust_remote_code``
     confirms a config's ``model.trust_remote_code``; ``overwrite`` deletes what an earlier run left
-    in the run folder (otherwise such a folder is refused).
+    in the run folder (otherwise such a folder is refused). ``push_to_hub`` ("ORG/NAME") sets the config's
+    ``hub.repo_id``: :meth:`Run.push_to_hub` (``diloco launch --push-to-hub``) uploads the final model
+    there once the run succeeded; a Hub token must then be available here. ``tracking.backends`` in the
+    config are checked here (package installed, W&B login) and logged to by :meth:`Run.wait`.
 
     Raises LaunchError before anything is created when any input is wrong.
     """
     cfg = resolve_config(config, overrides, replicas=replicas, store=store, run_id=run_id,
-                         store_from_terraform=store_from_terraform)
+                         store_from_terraform=store_from_terraform, store_timeout_s=store_timeout_s,
+                         push_to_hub=push_to_hub)
+    check_extras(cfg)
     plan = check_launch(cfg, executor, gpu=gpu, executor_options=executor_options,
                         storage_options=storage_options, trust_remote_code=trust_remote_code, overwrite=overwrite)
     if plan.leftovers:
@@ -385,12 +524,15 @@ def launch(config: RunConfig | str | Path | None = None, executor: ServerlessExe
     run_store, record = create_run(plan.root, cfg, key=key)
     save_local_key(run_store.url, key_hex)
     kind = executor_kind(plan.executor, plan.kind)
+    _ship_code_through(run_store, plan.executor)
     try:
         handles = launch_replicas(plan.executor, cfg.replicas, run_store.url, run_key=key_hex,
                                   trust_remote_code=trust_remote_code)
     except Exception as e:
         record_launch(run_store, kind, [], gpu=plan.gpu, error=one_line(str(e))[:500], key=key)
         raise LaunchError(f"launching replicas of {run_store.url} failed: {one_line(str(e))}") from e
+    shipped = getattr(plan.executor, "shipped_code", None)
     record = record_launch(run_store, kind, handles, gpu=plan.gpu, replicas=cfg.replicas,
-                           usd_per_replica_hour=_price_of(kind, plan.gpu, plan.executor), key=key)
+                           usd_per_replica_hour=_price_of(kind, plan.gpu, plan.executor), key=key,
+                           **({"code": shipped.to_json()} if shipped is not None else {}))
     return Run(run_store, record, plan.executor, run_key=key)

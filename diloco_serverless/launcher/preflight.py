@@ -6,7 +6,9 @@ can hold that many (4 per usable core and ~512 MiB of available memory each; ``-
 skips the check), the executor's SDK and tokens (its
 constructor checks them), a probe object written, read back and deleted in the store, and that the
 run id is free. Each failure is a :class:`LaunchError` whose message is one line naming the bad
-value and the fix; nothing has been created when it is raised (the probe object is removed).
+value and the fix; nothing has been created when it is raised (the probe object is removed). Every
+store operation is bounded by the config's ``store_timeout_s``, so a store that never answers fails
+the launch within about that time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from diloco_serverless.executors.registry import (
 from diloco_serverless.launcher import pricing
 from diloco_serverless.launcher.terraform import exchange_url_from_terraform
 from diloco_serverless.run.layout import RUN_JSON
+from diloco_serverless.run.record import store_policy
 from diloco_serverless.store.objectstore import ObjectStore
 
 PROBE_PREFIX = ".diloco-probe"
@@ -58,8 +61,10 @@ class LaunchPlan:
 
 def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[str], *,
                    replicas: int | None = None, store: str | None = None, run_id: str | None = None,
-                   store_from_terraform: str | Path | None = None) -> RunConfig:
-    """The RunConfig to launch: file or object, then ``--set`` overrides, then explicit flags."""
+                   store_from_terraform: str | Path | None = None,
+                   store_timeout_s: float | None = None, push_to_hub: str | None = None) -> RunConfig:
+    """The RunConfig to launch: file or object, then ``--set`` overrides, then explicit flags
+    (``push_to_hub`` is ``hub.repo_id``)."""
     if replicas is not None and replicas < 1:
         raise LaunchError(f"--replicas must be at least 1 (got {replicas}); e.g. --replicas 4")
     if store is not None and store_from_terraform is not None:
@@ -71,8 +76,10 @@ def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[st
             cfg = RunConfig.load(str(config) if config is not None else None, list(overrides))
         if store_from_terraform is not None:
             store = _terraform_store(store_from_terraform)
-        updates = {k: v for k, v in (("replicas", replicas), ("store", store), ("run_id", run_id))
-                   if v is not None}
+        updates: dict[str, Any] = {k: v for k, v in (("replicas", replicas), ("store", store), ("run_id", run_id),
+                                     ("store_timeout_s", store_timeout_s)) if v is not None}
+        if push_to_hub is not None:
+            updates["hub"] = {**cfg.hub.model_dump(mode="json"), "repo_id": push_to_hub}
         if updates:
             cfg = RunConfig.from_dict({**cfg.to_json_dict(), **updates}, source="command-line flags")
     except ConfigError as e:
@@ -197,11 +204,11 @@ def check_executor_kind(kind: str, gpu: str | None) -> str | None:
             raise LaunchError(f"the local executor runs on CPU; drop --gpu {gpu} (or use --executor modal)")
         return None
     if kind == "modal":
-
         try:
-            return normalize_gpu(gpu)
+            canonical = normalize_gpu(gpu)
         except ExecutorUnavailable as e:
             raise LaunchError(f"{e}; e.g. --gpu H100") from None
+        return "cpu" if canonical is None else canonical  # an explicit CPU container, not the A100 default
     flavors = _hf_flavors()
     if gpu not in flavors:
         raise LaunchError(f"unknown HF Jobs flavor {gpu!r}; use one of: {', '.join(sorted(flavors))}")
@@ -298,7 +305,7 @@ def check_launch(cfg: RunConfig, executor: ServerlessExecutor | str, *, gpu: str
         if kind == "local":
             check_local_capacity(cfg.replicas, oversubscribe=_oversubscribe(dict(executor_options or {})))
     try:
-        root = ObjectStore(cfg.store, storage_options)
+        root = ObjectStore(cfg.store, storage_options, retry=store_policy(cfg))
     except (StoreError, ValueError, ImportError) as e:
         raise LaunchError(f"cannot open store {cfg.store}: {one_line(str(e))}") from None
     probe_store(root)

@@ -31,7 +31,7 @@ from diloco_serverless.run.members import (
 PENDING, RUNNING = ReplicaStatus.PENDING.value, ReplicaStatus.RUNNING.value
 SUCCEEDED, FAILED, CANCELLED = ReplicaStatus.SUCCEEDED.value, ReplicaStatus.FAILED.value, ReplicaStatus.CANCELLED.value
 #: ... plus two that only status can tell: a silent heartbeat, and an executor that could not be asked.
-STALE, UNKNOWN = "stale", "unknown"
+STALE, UNKNOWN = "stale", ReplicaStatus.UNKNOWN.value
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 
 #: Heartbeat ``state`` values a replica may write, mapped onto executor states (the first two are
@@ -123,6 +123,11 @@ def replica_state(executor: ExecutorState | None, heartbeat: Mapping[str, Any] |
         state = executor.state
         if state == RUNNING and heartbeat_age_s is not None and heartbeat_age_s > stale_after_s:
             return STALE, f"no heartbeat for {heartbeat_age_s:.0f}s"
+        fresh = heartbeat_age_s is not None and heartbeat_age_s <= stale_after_s
+        if state == PENDING and heartbeat is not None and fresh and _HEARTBEAT_STATES.get(
+            str(heartbeat.get("state", "")).lower()
+        ) is None:  # the platform's view lags (Modal's call graph): a live heartbeat means running
+            return RUNNING, None
         return state, executor.reason
     if heartbeat is None:
         return (PENDING, None) if executor is None else (UNKNOWN, executor.reason)

@@ -14,7 +14,7 @@ Batch keys (``[B, T]`` tensors unless noted): ``input_ids``, ``attention_mask``,
 
 from __future__ import annotations
 
-from diloco_serverless.loss.compose import SDPO_WRAPPERS, LossComponents, compose_loss
+from diloco_serverless.loss.compose import SDPO_WRAPPERS, LossComponents, compose_loss, scored_tokens
 from diloco_serverless.loss.dpo import DPO_VARIANTS, dpo_loss, simpo_loss
 from diloco_serverless.loss.entropy_opd import entropy_opd_loss, teacher_entropy
 from diloco_serverless.loss.jsd import generalized_jsd
@@ -31,6 +31,7 @@ __all__ = [
     "entropy_opd_loss",
     "generalized_jsd",
     "response_ce",
+    "scored_tokens",
     "sequence_logprobs",
     "simpo_loss",
     "taid_loss",

@@ -116,8 +116,11 @@ def check_same_rows(key_a: str, a: torch.Tensor, key_b: str, b: torch.Tensor) ->
         )
 
 
-def check_ref_logprobs(batch: Mapping[str, Any], key: str, rows: int, ids_key: str) -> torch.Tensor:
-    """Validate a ``[B]`` reference log-prob tensor; ``ValueError`` naming the key and shapes."""
+def check_ref_logprobs(
+    batch: Mapping[str, Any], key: str, rows: int, ids_key: str, *, finite: bool = True
+) -> torch.Tensor:
+    """Validate a ``[B]`` reference log-prob tensor; ``ValueError`` naming the key and shapes.
+    ``finite=False`` leaves out the one check that reads values (:func:`check_ref_finite`)."""
     ref = require_tensor(batch, key, "by dpo_variant='dpo' (reference log-probs of the frozen model)")
     if ref.shape != (rows,):
         raise ValueError(
@@ -126,6 +129,12 @@ def check_ref_logprobs(batch: Mapping[str, Any], key: str, rows: int, ids_key: s
         )
     if not ref.dtype.is_floating_point:
         raise ValueError(f"batch key {key!r} must be a floating tensor, got dtype {ref.dtype}")
+    if finite:
+        check_ref_finite(key, ref)
+    return ref
+
+
+def check_ref_finite(key: str, ref: torch.Tensor) -> None:
+    """``ValueError`` naming ``key`` when the reference log-probs hold NaN or Inf (reads the values)."""
     if not bool(torch.isfinite(ref).all()):
         raise ValueError(f"batch key {key!r} (shape {tuple(ref.shape)}) contains non-finite values")
-    return ref

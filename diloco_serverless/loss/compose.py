@@ -15,6 +15,19 @@ contributes an exact fp32 zero and runs no forward pass; with both weights 0 ``t
 itself, bit for bit what ``transformers`` computes for ``labels`` masked to the response.
 The model's mode (train/eval) is left as it is for the teacher pass. Loss math runs in fp32 with
 autocast disabled; the forward passes run under whatever autocast the caller set.
+
+Speed: when the chosen side of every pair *is* the student sequence (same ids and masks: records
+without their own preference pair, as the stdlib data), its log-probs come from the student's
+logits and only the rejected side runs a forward pass. The loss math reads no tensor value into
+Python (no boolean-mask indexing, no ``.item()``): the checks that read values (empty response
+masks, teacher/student token counts, non-finite reference log-probs) run together in one read when
+``validate=True`` (the default) and not at all with ``validate=False``, and the chosen-is-student test
+is one more read when the replay channel is live.
+
+Micro-batches: ``token_count`` / ``pair_count`` replace the number of scored response tokens / pairs
+the means are taken over; pass the whole batch's (:func:`scored_tokens`, the row count) for each of
+its micro-batches and the micro-batches' losses add up to the whole batch's loss, their gradients
+to its gradient.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from torch import nn
 from diloco_serverless.loss._batch import (
     SequenceInputs,
     check_has_response,
+    check_ref_finite,
     check_ref_logprobs,
     check_same_rows,
     is_absent,
@@ -44,10 +58,11 @@ from diloco_serverless.loss.dpo import (
 from diloco_serverless.loss.entropy_opd import check_h_max, entropy_opd_loss
 from diloco_serverless.loss.jsd import check_jsd_beta, generalized_jsd
 from diloco_serverless.loss.logprobs import (
+    aligned_logits,
     causal_lm_logits,
     fp32_math,
+    masked_mean,
     response_ce,
-    scored_logits,
     token_logprobs,
 )
 from diloco_serverless.loss.taid import check_taid_t, taid_loss
@@ -103,6 +118,9 @@ def compose_loss(
     sdpo_wrapper: str = "none",
     taid_t: float | None = None,
     entropy_opd_h_max: float | None = None,
+    validate: bool = True,
+    token_count: torch.Tensor | float | None = None,
+    pair_count: float | None = None,
 ) -> LossComponents:
     """Compute ``total = lm_ce + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo``.
 
@@ -110,9 +128,14 @@ def compose_loss(
     the keys listed in the package docstring. Raises ``ValueError`` naming the argument or batch key
     (and shapes) for: an unknown ``dpo_variant`` / ``sdpo_wrapper``, a weight < 0 or non-finite,
     ``jsd_beta`` / ``taid_t`` outside ``[0, 1]``, ``taid_t`` missing with ``sdpo_wrapper='taid'``,
-    masks whose shape differs from their ids, row counts that disagree, a teacher row scoring a
-    different number of response tokens than the student row, a response mask with no tokens, or
-    reference log-probs that are not ``[B]``.
+    masks whose shape differs from their ids, row counts that disagree, reference log-probs that are
+    not ``[B]``, and, with ``validate=True``, a teacher row scoring a different number of response
+    tokens than the student row, a response mask with no tokens, or non-finite reference log-probs
+    (with ``validate=False`` such a batch gives a wrong or non-finite loss instead).
+
+    ``token_count`` (tensor or number) and ``pair_count``: what ``lm_ce``/``sdpo_jsd`` and
+    ``trace_replay_dpo`` are averaged over instead of this batch's scored response tokens and rows
+    (see the module docstring: micro-batches).
     """
     settings = _validate_settings(
         alpha_sdpo=alpha_sdpo, beta_replay=beta_replay, dpo_variant=dpo_variant, dpo_beta=dpo_beta,
@@ -120,17 +143,75 @@ def compose_loss(
         taid_t=taid_t, entropy_opd_h_max=entropy_opd_h_max,
     )  # fmt: skip
     student = sequence_inputs(batch, "", "by the language-modelling channel")
-    check_has_response(student, per_row=False)
-    logits = causal_lm_logits(model, student.input_ids, student.attention_mask)
-    lm_ce = response_ce(logits, student.input_ids, student.response_mask)
-    total, sdpo, replay = lm_ce, _zero(lm_ce), _zero(lm_ce)
+    teacher = pair = None
     if settings.alpha_sdpo != 0.0 and not is_absent(batch, _TEACHER_KEYS[0]):
-        sdpo = _sdpo_channel(model, batch, student, logits, settings)
-        total = total + settings.alpha_sdpo * sdpo
+        teacher = sequence_inputs(batch, "ctx_teacher_", "by the hint self-distillation channel (alpha_sdpo > 0)")
+        check_same_rows("input_ids", student.input_ids, teacher.ids_key, teacher.input_ids)
     if settings.beta_replay != 0.0 and not all(is_absent(batch, key) for key in _PAIR_KEYS):
-        replay = _replay_channel(model, batch, settings)
+        pair = _pair_inputs(batch, settings)
+    if validate:
+        _check_values(student, teacher, pair)
+    logits = causal_lm_logits(model, student.input_ids, student.attention_mask)
+    lm_ce = response_ce(logits, student.input_ids, student.response_mask, token_count)
+    total, sdpo, replay = lm_ce, _zero(lm_ce), _zero(lm_ce)
+    if teacher is not None:
+        tokens = student.scored.sum() if token_count is None else token_count
+        sdpo = _sdpo_channel(model, student, teacher, logits, settings, tokens)
+        total = total + settings.alpha_sdpo * sdpo
+    if pair is not None:
+        replay = _replay_channel(model, student, logits, pair, settings, pair_count)
         total = total + settings.beta_replay * replay
     return LossComponents(total=total, lm_ce=lm_ce, sdpo_jsd=sdpo, trace_replay_dpo=replay)
+
+
+def scored_tokens(batch: Mapping[str, Any]) -> torch.Tensor:
+    """Number of response tokens ``lm_ce`` scores in ``batch`` (a long scalar tensor on the batch's
+    device; no value is read): the ``token_count`` to pass for each micro-batch of ``batch``."""
+    mask: torch.Tensor = batch["response_mask"]
+    return (mask[:, 1:] != 0).sum()
+
+
+@dataclass(frozen=True)
+class _Pair:
+    chosen: SequenceInputs
+    rejected: SequenceInputs
+    refs: tuple[tuple[str, torch.Tensor], ...]  # (key, [B] reference log-probs) for DPO, empty for SimPO
+
+
+def _pair_inputs(batch: Mapping[str, Any], s: _Settings) -> _Pair:
+    why = "by the trace-replay channel (beta_replay > 0)"
+    chosen = sequence_inputs(batch, "dpo_chosen_", why)
+    rejected = sequence_inputs(batch, "dpo_rejected_", why)
+    check_same_rows(chosen.ids_key, chosen.input_ids, rejected.ids_key, rejected.input_ids)
+    refs: tuple[tuple[str, torch.Tensor], ...] = ()
+    if s.dpo_variant == "dpo":
+        rows = chosen.input_ids.shape[0]
+        refs = tuple(
+            (key, check_ref_logprobs(batch, key, rows, chosen.ids_key, finite=False))
+            for key in ("dpo_chosen_ref_logprobs", "dpo_rejected_ref_logprobs")
+        )
+    return _Pair(chosen, rejected, refs)
+
+
+def _check_values(student: SequenceInputs, teacher: SequenceInputs | None, pair: _Pair | None) -> None:
+    """The checks that read tensor values, in one read; if one fails, it raises its own message."""
+    device = student.input_ids.device
+    bad = [student.tokens_per_row.sum() == 0]
+    if teacher is not None:
+        bad.append((student.tokens_per_row != teacher.tokens_per_row.to(device)).any())
+    if pair is not None:
+        bad += [(seq.tokens_per_row == 0).any().to(device) for seq in (pair.chosen, pair.rejected)]
+        bad += [(~torch.isfinite(ref)).any().to(device) for _, ref in pair.refs]
+    if not bool(torch.stack(bad).any()):
+        return
+    check_has_response(student, per_row=False)
+    if teacher is not None:
+        _check_row_counts(student, teacher)
+    if pair is not None:
+        check_has_response(pair.chosen, per_row=True)
+        check_has_response(pair.rejected, per_row=True)
+        for key, ref in pair.refs:
+            check_ref_finite(key, ref)
 
 
 def _zero(like: torch.Tensor) -> torch.Tensor:
@@ -183,35 +264,61 @@ def _check_row_counts(student: SequenceInputs, teacher: SequenceInputs) -> None:
 
 
 def _sdpo_channel(
-    model: nn.Module, batch: Mapping[str, Any], student: SequenceInputs, logits: torch.Tensor, s: _Settings
+    model: nn.Module,
+    student: SequenceInputs,
+    teacher: SequenceInputs,
+    logits: torch.Tensor,
+    s: _Settings,
+    tokens: torch.Tensor | float,
 ) -> torch.Tensor:
-    """Mean per-token divergence between the hinted teacher pass and the student's logits."""
-    teacher = sequence_inputs(batch, "ctx_teacher_", "by the hint self-distillation channel (alpha_sdpo > 0)")
-    check_same_rows("input_ids", student.input_ids, teacher.ids_key, teacher.input_ids)
-    _check_row_counts(student, teacher)
+    """Mean per-token divergence between the hinted teacher pass and the student's logits.
+
+    Computed at every student position (``[B * (T-1), V]``) against the teacher logits of the
+    teacher's k-th scored token for the student's k-th, then averaged over the scored positions:
+    no boolean indexing, so no value is read."""
+    scored = student.scored
     with fp32_math(logits.device):
-        student_sel = scored_logits(logits, student.scored)
+        student_all = logits[:, :-1].float()
     if s.sdpo_wrapper == "taid" and s.taid_t == 0.0:
-        teacher_sel = student_sel.detach()  # TAID at t = 0 never reads the teacher: skip its forward.
+        teacher_all = student_all.detach()  # TAID at t = 0 never reads the teacher: skip its forward.
     else:
         with torch.no_grad():
             teacher_logits = causal_lm_logits(model, teacher.input_ids, teacher.attention_mask)
-            teacher_sel = scored_logits(teacher_logits, teacher.scored.to(teacher_logits.device))
+            teacher_all = aligned_logits(teacher_logits, teacher.scored.to(teacher_logits.device), scored)
     with fp32_math(logits.device):
-        teacher_sel = teacher_sel.to(student_sel.device)
+        vocab = student_all.shape[-1]
+        flat_s = student_all.reshape(-1, vocab)
+        flat_t = teacher_all.to(flat_s.device).float().reshape(-1, vocab)
         if s.sdpo_wrapper == "taid":
-            per_token = taid_loss(student_sel, teacher_sel, s.taid_t)  # type: ignore[arg-type]
+            per_token = taid_loss(flat_s, flat_t, s.taid_t)  # type: ignore[arg-type]
         elif s.sdpo_wrapper == "entropy_opd":
-            per_token = entropy_opd_loss(student_sel, teacher_sel, s.entropy_opd_h_max)
+            per_token = entropy_opd_loss(flat_s, flat_t, s.entropy_opd_h_max)
         else:
-            per_token = generalized_jsd(student_sel, teacher_sel, s.jsd_beta)
-        return per_token.mean()
+            per_token = generalized_jsd(flat_s, flat_t, s.jsd_beta)
+        return masked_mean(per_token.view(scored.shape), scored, tokens)
+
+
+def _same_sequences(a: SequenceInputs, b: SequenceInputs) -> bool:
+    """True when ``a`` and ``b`` are the same rows (ids, attention and response masks): one read."""
+    if a.input_ids.shape != b.input_ids.shape or a.input_ids.device != b.input_ids.device:
+        return False
+    same = (
+        (a.input_ids == b.input_ids).all()
+        & (a.attention_mask == b.attention_mask).all()
+        & ((a.response_mask != 0) == (b.response_mask != 0)).all()
+    )
+    return bool(same)
 
 
 def _pair_token_logprobs(
-    model: nn.Module, chosen: SequenceInputs, rejected: SequenceInputs
+    model: nn.Module, student: SequenceInputs, student_logits: torch.Tensor, pair: _Pair
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of both sides; one forward pass when their lengths agree, else two."""
+    """Per-token log-probs of both sides: the chosen side from the student's logits when it is the
+    student sequence, else one forward pass of both sides when their lengths agree, else two."""
+    chosen, rejected = pair.chosen, pair.rejected
+    if _same_sequences(chosen, student):
+        lp_r = token_logprobs(causal_lm_logits(model, rejected.input_ids, rejected.attention_mask), rejected)
+        return token_logprobs(student_logits, chosen), lp_r
     if chosen.input_ids.shape == rejected.input_ids.shape:
         ids = torch.cat([chosen.input_ids, rejected.input_ids.to(chosen.input_ids.device)])
         mask = torch.cat([chosen.attention_mask, rejected.attention_mask.to(chosen.attention_mask.device)])
@@ -223,25 +330,24 @@ def _pair_token_logprobs(
     return lp_c, lp_r
 
 
-def _replay_channel(model: nn.Module, batch: Mapping[str, Any], s: _Settings) -> torch.Tensor:
+def _replay_channel(
+    model: nn.Module,
+    student: SequenceInputs,
+    student_logits: torch.Tensor,
+    pair: _Pair,
+    s: _Settings,
+    pair_count: float | None,
+) -> torch.Tensor:
     """Mean DPO / SimPO loss over the ``dpo_chosen_*`` / ``dpo_rejected_*`` pairs."""
-    why = "by the trace-replay channel (beta_replay > 0)"
-    chosen = sequence_inputs(batch, "dpo_chosen_", why)
-    rejected = sequence_inputs(batch, "dpo_rejected_", why)
-    check_same_rows(chosen.ids_key, chosen.input_ids, rejected.ids_key, rejected.input_ids)
-    check_has_response(chosen, per_row=True)
-    check_has_response(rejected, per_row=True)
-    rows = chosen.input_ids.shape[0]
-    if s.dpo_variant == "dpo":
-        ref_c = check_ref_logprobs(batch, "dpo_chosen_ref_logprobs", rows, chosen.ids_key)
-        ref_r = check_ref_logprobs(batch, "dpo_rejected_ref_logprobs", rows, chosen.ids_key)
-    lp_c, lp_r = _pair_token_logprobs(model, chosen, rejected)
+    chosen, rejected = pair.chosen, pair.rejected
+    lp_c, lp_r = _pair_token_logprobs(model, student, student_logits, pair)
     with fp32_math(lp_c.device):
         sum_c, sum_r = lp_c.sum(dim=1), lp_r.sum(dim=1).to(lp_c.device)
         if s.dpo_variant == "dpo":
+            (_, ref_c), (_, ref_r) = pair.refs
             per_pair = dpo_loss(sum_c, sum_r, ref_c.to(lp_c.device), ref_r.to(lp_c.device), s.dpo_beta)
         else:
             avg_c = sum_c / chosen.tokens_per_row.to(lp_c.device)
             avg_r = sum_r / rejected.tokens_per_row.to(lp_c.device)
             per_pair = simpo_loss(avg_c, avg_r, s.simpo_beta, s.simpo_gamma)
-        return per_pair.mean()
+        return per_pair.mean() if pair_count is None else per_pair.sum() / pair_count

@@ -46,33 +46,74 @@ def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     return logits
 
 
-def response_ce(logits: torch.Tensor, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def response_ce(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    token_count: torch.Tensor | float | None = None,
+) -> torch.Tensor:
     """Mean token cross-entropy over the response tokens (fp32 scalar).
 
     Computed exactly as ``transformers``' ``ForCausalLMLoss`` computes ``model(..., labels=labels).loss``
     with ``labels = input_ids`` where ``response_mask`` is set and ``-100`` elsewhere, so the two
-    agree bit for bit.
+    agree bit for bit. With ``token_count`` the sum is divided by it instead of by this batch's
+    number of response tokens (a micro-batch's share of a larger batch's mean).
     """
     labels = input_ids.masked_fill(response_mask == 0, _IGNORE)
     shift_labels = nn.functional.pad(labels, (0, 1), value=_IGNORE)[..., 1:].contiguous()
     with fp32_math(logits.device):
         flat = logits.float().view(-1, logits.shape[-1])
-        return nn.functional.cross_entropy(flat, shift_labels.view(-1), ignore_index=_IGNORE, reduction="mean")
+        if token_count is None:
+            return nn.functional.cross_entropy(flat, shift_labels.view(-1), ignore_index=_IGNORE, reduction="mean")
+        total = nn.functional.cross_entropy(flat, shift_labels.view(-1), ignore_index=_IGNORE, reduction="sum")
+        return total / token_count
 
 
 def scored_logits(logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[N, V]`` logits of the positions that score a response token, row-major order."""
+    """fp32 ``[N, V]`` logits of the positions that score a response token, row-major order.
+
+    Boolean-mask indexing: the output size depends on the mask, so this reads it (a device sync);
+    the loss channels use :func:`aligned_logits` / :func:`masked_mean` instead."""
     return logits[:, :-1][scored].float()
 
 
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is set, divided by ``count`` (default: the number set); fp32.
+
+    ``torch.where`` rather than a product, so a NaN at a masked-out position stays out."""
+    total = torch.where(mask, values.float(), 0.0).sum()
+    return total / (mask.sum() if count is None else count)
+
+
+def aligned_logits(teacher_logits: torch.Tensor, teacher_scored: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """``[B, S, V]`` teacher logits laid out like a ``[B, S]`` student mask ``scored``.
+
+    Position ``t`` of row ``b`` holds the teacher logits (``teacher_logits[:, :-1]``) of the teacher's
+    k-th scored position of row ``b`` when ``t`` is the student's k-th scored position; other
+    positions hold some finite logits of the same row (mask them out). ``teacher_scored`` is the
+    teacher's ``[B, T_t - 1]`` mask; rows must score the same number of tokens. Reads no values.
+    """
+    rows, width = teacher_scored.shape
+    rank_t = teacher_scored.long().cumsum(1) - 1
+    slot = torch.where(teacher_scored, rank_t, width)  # unscored teacher positions go to a spare column
+    table = torch.zeros(rows, width + 1, dtype=torch.long, device=teacher_scored.device)
+    positions = torch.arange(width, device=teacher_scored.device).expand(rows, width)
+    table.scatter_(1, slot, torch.where(teacher_scored, positions, 0))
+    rank_s = (scored.long().cumsum(1) - 1).clamp(0, width).to(table.device)
+    source = table.gather(1, rank_s)  # [B, S]: teacher position for each student position
+    shifted = teacher_logits[:, :-1]
+    return shifted.gather(1, source.unsqueeze(-1).expand(-1, -1, shifted.shape[-1]))
+
+
 def token_logprobs(logits: torch.Tensor, seq: SequenceInputs) -> torch.Tensor:
-    """fp32 ``[B, T-1]`` log-prob of each scored response token, 0 at unscored positions."""
+    """fp32 ``[B, T-1]`` log-prob of each scored response token, 0 at unscored positions (computed
+    at every position and masked: no value is read)."""
     scored = seq.scored
     with fp32_math(logits.device):
-        sel = scored_logits(logits, scored)
-        targets = seq.input_ids[:, 1:][scored]
-        lp = sel.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(sel, dim=-1)
-        return torch.zeros(scored.shape, dtype=torch.float32, device=logits.device).masked_scatter(scored, lp)
+        shifted = logits[:, :-1].float()
+        targets = seq.input_ids[:, 1:].to(shifted.device)
+        lp = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
+        return torch.where(scored.to(lp.device), lp, 0.0)
 
 
 def sequence_logprobs(

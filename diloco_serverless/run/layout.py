@@ -85,6 +85,14 @@ def reduced_key(round: int, shard: int) -> str:
     return f"{reduced_prefix(round)}/{fmt_shard(shard)}"
 
 
+def code_key(filename: str) -> str:
+    """``code/<filename>``: the package the launcher shipped to remote replicas (a wheel). Its SHA-256
+    is pinned in each replica's command, so a replaced object is refused, never installed."""
+    if not filename or "/" in filename or filename.startswith("."):
+        raise ValueError(f"code file name must be a plain file name, got {filename!r}")
+    return f"code/{filename}"
+
+
 def checkpoint_prefix(round: int) -> str:
     """``checkpoints/<round:08d>``: a global checkpoint taken after ``round``."""
     return f"{CHECKPOINTS_PREFIX}/{fmt_round(round)}"

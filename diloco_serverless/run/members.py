@@ -111,7 +111,7 @@ class Heartbeat:
             invalid["rank"] = why or f"says {body_rank}, but the heartbeat is rank-{rank}.json"
         values: dict[str, Any] = {}
         for name, parse in _FIELDS.items():
-            if name not in d:
+            if d.get(name) is None:  # absent, or written as null (e.g. no loss yet): unknown, not invalid
                 values[name] = None
                 continue
             values[name], why = parse(d[name])

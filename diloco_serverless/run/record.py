@@ -21,11 +21,20 @@ create-only semantics (``put_if_absent``), so two launches can never share a run
 Failure: :class:`RunNotFound` when a URL holds no run.json, :class:`InvalidRun` when it is not JSON
 or its config does not validate, :class:`RunExists` when creating over an existing run; every message
 names the URL and says what to do. Store errors (access denied, unavailable) propagate unchanged.
+
+Deadlines: every store operation made for a run is bounded by the run's ``store_timeout_s``
+(:func:`store_policy`); before run.json is read that value is unknown, so the functions that open a
+URL take ``timeout_s`` for the first read (``None``: the store's default policy). A replica opens its
+run store with::
+
+    run_store, record = load_run(run_url, storage_options, key=run_key, timeout_s=STORE_TIMEOUT_S)
+    run_store = run_store.with_retry(store_policy(record.config))
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -39,6 +48,7 @@ from diloco_serverless.run.integrity import mac_json, verify_json
 from diloco_serverless.run.layout import RUN_JSON, RUN_VERSION
 from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.store.retry import RetryPolicy
 
 __all__ = [
     "InvalidRun",
@@ -52,6 +62,8 @@ __all__ = [
     "open_run_store",
     "record_launch",
     "split_run_url",
+    "store_policy",
+    "timeout_policy",
 ]
 
 
@@ -179,9 +191,29 @@ def _dumps(obj: dict[str, Any], key: bytes | None) -> bytes:
     return json.dumps(doc, indent=1, sort_keys=False).encode("utf-8")
 
 
-def open_run_store(run_url: str, storage_options: dict[str, Any] | None = None) -> ObjectStore:
-    """An ObjectStore rooted at the run (no I/O)."""
-    return ObjectStore(run_url, storage_options)
+def timeout_policy(timeout_s: float | None) -> RetryPolicy | None:
+    """The default :class:`RetryPolicy` with the deadline ``timeout_s`` (seconds, finite and > 0;
+    ValueError otherwise), or None for ``None`` (the store's own default)."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+            or timeout_s <= 0:
+        raise ValueError(f"a store deadline must be a finite number of seconds > 0, got {timeout_s!r}")
+    return RetryPolicy(timeout_s=float(timeout_s))
+
+
+def store_policy(config: RunConfig) -> RetryPolicy:
+    """The retry policy of every store operation made for the run ``config`` describes: the
+    defaults of :class:`RetryPolicy` with the deadline ``config.store_timeout_s``. Apply it with
+    ``ObjectStore(url, options, retry=store_policy(cfg))`` or ``store.with_retry(store_policy(cfg))``."""
+    return RetryPolicy(timeout_s=config.store_timeout_s)
+
+
+def open_run_store(run_url: str, storage_options: dict[str, Any] | None = None, *,
+                   timeout_s: float | None = None) -> ObjectStore:
+    """An ObjectStore rooted at the run (no I/O); ``timeout_s`` bounds each of its operations
+    (None: the default :class:`RetryPolicy`)."""
+    return ObjectStore(run_url, storage_options, retry=timeout_policy(timeout_s))
 
 
 def create_run(
@@ -196,10 +228,12 @@ def create_run(
     ``store`` is the store root (ObjectStore or URL; None = ``config.store``). The recorded config's
     ``store`` is the normalised store URL, and a relative local ``data.source`` is made absolute, so
     replicas started elsewhere read the same locations. With ``key`` (the run key), run.json carries
-    its HMAC, and readers holding the key refuse any other content.
+    its HMAC, and readers holding the key refuse any other content. A store opened here from a URL
+    bounds each operation by ``config.store_timeout_s``; a given ObjectStore keeps its own policy.
     Raises RunExists if the run id is taken.
     """
-    root = store if isinstance(store, ObjectStore) else ObjectStore(store or config.store, storage_options)
+    root = (store if isinstance(store, ObjectStore)
+            else ObjectStore(store or config.store, storage_options, retry=store_policy(config)))
     config = config.model_copy(update={"store": root.url, "data": _absolute_data_source(config)})
     run_store = root.child(config.run_id)
     record = RunRecord(config.run_id, _utc_now_iso(), RUN_VERSION, config, None, run_store.url)
@@ -241,15 +275,23 @@ def _read_record(run_store: ObjectStore, key: bytes | None) -> RunRecord:
 
 
 def load_run(
-    run_url: str | ObjectStore, storage_options: dict[str, Any] | None = None, *, key: bytes | None = None
+    run_url: str | ObjectStore, storage_options: dict[str, Any] | None = None, *, key: bytes | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[ObjectStore, RunRecord]:
     """Open the run at ``run_url`` -> (store rooted at the run, its RunRecord).
 
-    With ``key`` (the run key), run.json must carry its HMAC under that key. Raises RunNotFound /
-    InvalidRun naming the URL; store errors (StoreAccessDenied, StoreUnavailable) propagate with
-    their own message.
+    With ``key`` (the run key), run.json must carry its HMAC under that key. ``timeout_s`` bounds
+    each store operation, the read of run.json included, and stays the returned store's deadline
+    (None: the given store's policy, or the default :class:`RetryPolicy` for a URL); to go on with
+    the run's own deadline, use ``store.with_retry(store_policy(record.config))``. Raises
+    RunNotFound / InvalidRun naming the URL; store errors (StoreAccessDenied, StoreUnavailable, the
+    latter when the deadline passes) propagate with their own message.
     """
-    run_store = run_url if isinstance(run_url, ObjectStore) else ObjectStore(run_url, storage_options)
+    policy = timeout_policy(timeout_s)
+    if isinstance(run_url, ObjectStore):
+        run_store = run_url if policy is None else run_url.with_retry(policy)
+    else:
+        run_store = ObjectStore(run_url, storage_options, retry=policy)
     return run_store, _read_record(run_store, key)
 
 
@@ -271,15 +313,17 @@ def record_launch(
     *,
     storage_options: dict[str, Any] | None = None,
     key: bytes | None = None,
+    timeout_s: float | None = None,
     **extra: Any,
 ) -> RunRecord:
     """Store the launch record ``{"executor", "handles", "launched_at", **extra}`` in run.json.
 
     Handles must be JSON-serialisable dicts ({"kind", "rank", ...}); values that look like secrets are
     refused (ValueError). Overwrites any previous launch record (a relaunch), signed with ``key``
-    (which must also verify the record it replaces). Returns the new record.
+    (which must also verify the record it replaces). ``timeout_s`` bounds the read and the write as
+    in :func:`load_run`. Returns the new record.
     """
-    run_store, record = load_run(run_url, storage_options, key=key)
+    run_store, record = load_run(run_url, storage_options, key=key, timeout_s=timeout_s)
     launch = {"executor": executor_kind, "handles": list(handles), "launched_at": _utc_now_iso(), **extra}
     _refuse_secret_values(launch, "launch")
     try:
@@ -293,7 +337,7 @@ def record_launch(
 
 # --------------------------------------------------------------------------------- listing
 def list_runs(store: ObjectStore | str, storage_options: dict[str, Any] | None = None, *,
-              skipped: list[tuple[str, str]] | None = None) -> list[RunRecord]:
+              skipped: list[tuple[str, str]] | None = None, timeout_s: float | None = None) -> list[RunRecord]:
     """Runs directly under a store URL (folders holding a run.json), oldest first.
 
     Reads one delimited listing of the store's top-level folders and fetches their
@@ -301,9 +345,14 @@ def list_runs(store: ObjectStore | str, storage_options: dict[str, Any] | None =
     fast on a large S3/GCS prefix. A run.json that is unreadable or invalid (not JSON, a config that
     does not validate, a run_id that is not a run id or not its folder's name) skips that run: it is
     appended to ``skipped`` as (folder, reason) when a list is given, else warned about; folders
-    without one are ignored. One bad run never stops the listing.
+    without one are ignored. One bad run never stops the listing. ``timeout_s`` bounds each store
+    operation (None: the given store's policy, or the default :class:`RetryPolicy` for a URL).
     """
-    root = store if isinstance(store, ObjectStore) else ObjectStore(store, storage_options)
+    policy = timeout_policy(timeout_s)
+    if isinstance(store, ObjectStore):
+        root = store if policy is None else store.with_retry(policy)
+    else:
+        root = ObjectStore(store, storage_options, retry=policy)
     keys = [f"{folder}/{RUN_JSON}" for folder in root.list_dirs("")]
     out: list[RunRecord] = []
     for key, raw in sorted(root.get_many(keys, missing_ok=True).items()):

@@ -198,7 +198,8 @@ def translate_error(exc: BaseException, *, url: str, key: str, op: str) -> Store
     if is_transient(exc):
         return StoreUnavailable(
             f"{op} {where}: store unreachable or failing after retries; check the endpoint "
-            f"and network, or raise RetryPolicy.timeout_s [{detail}]", url=url, key=key, op=op)
+            f"and network, or raise the deadline (--store-timeout, the run config's store_timeout_s, "
+            f"RetryPolicy.timeout_s) [{detail}]", url=url, key=key, op=op)
     return StoreError(f"{op} {where} failed [{detail}]", url=url, key=key, op=op)
 
 

@@ -32,6 +32,7 @@ import builtins
 import copy
 import json
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Sequence
@@ -179,6 +180,21 @@ def _default_options(protocol: str, retry: RetryPolicy) -> dict[str, Any]:
     return {}
 
 
+def _endpoint(protocol: str, options: dict[str, Any]) -> str | None:
+    """The server a remote store talks to when it is not the protocol's default (a custom
+    ``endpoint_url`` or the emulator/endpoint environment variables), for error messages; any
+    ``user:password@`` in it is dropped."""
+    client = options.get("client_kwargs")
+    found = options.get("endpoint_url") or (client.get("endpoint_url") if isinstance(client, dict) else None)
+    if not found and protocol == "s3":
+        found = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    elif not found and protocol == "gs":
+        found = os.environ.get("STORAGE_EMULATOR_HOST")
+    if not isinstance(found, str) or not found.strip():
+        return None
+    return re.sub(r"//[^/@]*@", "//", found.strip())
+
+
 class ObjectStore:
     """A key -> bytes store rooted at one URL; see the module docstring.
 
@@ -200,6 +216,7 @@ class ObjectStore:
         if self.protocol not in ("file", "memory"):
             options = _merge(_default_options(self.protocol, self.retry), storage_options_from_env())
         self._options = _merge(options, dict(storage_options or {}))
+        self.endpoint = _endpoint(self.protocol, self._options) if self.protocol not in ("file", "memory") else None
         self._fs: Any = None
         self._pid = -1
         self._async = False
@@ -259,7 +276,7 @@ class ObjectStore:
     def _run(self, op: str, key: str, attempt: Callable[[float], T],
              on_retry: Callable[[BaseException], None] | None = None) -> T:
         return call_with_retry(attempt, policy=self.retry, url=self.url, key=key, op=op,
-                               on_retry=on_retry)
+                               on_retry=on_retry, endpoint=self.endpoint)
 
     def _fs_call(self, method: str, *args: Any, timeout_s: float, **kwargs: Any) -> Any:
         """Call fs.<method>; on async file systems run ``_<method>`` bounded by ``timeout_s``."""
@@ -288,15 +305,16 @@ class ObjectStore:
         """Create ``key`` with ``data`` only if no object exists there, atomically.
 
         Returns True if this call created the object, False if one existed (its bytes are
-        left untouched). If an attempt failed transiently (its response lost) and a retry then
-        finds the object, the object is read back: True if it holds exactly ``data``. (gcsfs
-        also retries inside one attempt, invisibly; there a lost response can read as False.)
-        Not atomic on fsspec protocols other than file, memory, s3 and gs.
+        left untouched). Whenever a remote store answers "exists", the object is read back and
+        the answer is True if it holds exactly ``data``: a response lost after the store acted
+        makes the client re-send the write (our retry, or one inside aiohttp, botocore or gcsfs
+        that we never see), and that re-send's "exists" must not read as "someone else created
+        it". Every create-only object the package writes is unique to its writer (a timestamp, a
+        rank, a random key) or identical whoever writes it (a reduced shard), so equal bytes mean
+        "mine, or the same as mine". Not atomic on fsspec protocols other than file, memory, s3 and gs.
         """
         key = _check_key(key)
         path, data = self._path(key), bytes(data)
-        retried: list[BaseException] = []
-
         def attempt(remaining: float) -> bool:
             if self.protocol == "file":
                 return store_local.atomic_create(path, data)
@@ -312,11 +330,11 @@ class ObjectStore:
             except FileExistsError:
                 return False
 
-        created = self._run("put_if_absent", key, attempt, on_retry=retried.append)
-        if not created and retried:
+        created = self._run("put_if_absent", key, attempt)
+        if not created:
             try:
-                return self.get(key) == data
-            except ObjectNotFound:  # deleted in between: we did not create what is there
+                return self.get(key, max_bytes=len(data)) == data
+            except (ObjectNotFound, ObjectTooLarge):  # deleted in between, or another writer's object
                 return False
         return created
 

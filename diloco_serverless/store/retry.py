@@ -38,7 +38,9 @@ class RetryPolicy:
             passes the deadline, so a store that never answers fails with
             ``StoreUnavailable`` in about this time; one that refuses connections fails
             sooner, after ``max_attempts``. It must leave room for the largest legitimate
-            transfer. The exchange passes its own timeout here
+            transfer. The default (300 s) is for code that opens a store without a run; a run's
+            store operations use the run's ``store_timeout_s`` (``run.record.store_policy``),
+            the CLI its ``--store-timeout``, and the exchange its own round timeout
             (``ObjectStore(url, retry=RetryPolicy(timeout_s=...))`` or ``store.with_retry``).
         jitter: fraction of each sleep randomised (0 = deterministic).
     """
@@ -65,14 +67,15 @@ class RetryPolicy:
 
 def call_with_retry(
     attempt: Callable[[float], T], *, policy: RetryPolicy, url: str, key: str, op: str,
-    on_retry: Callable[[BaseException], None] | None = None,
+    on_retry: Callable[[BaseException], None] | None = None, endpoint: str | None = None,
 ) -> T:
     """Run ``attempt(remaining_s)`` until it succeeds, a non-transient error occurs, or the
     attempts/deadline run out.
 
     ``attempt`` receives the seconds left before the deadline and should bound its own wait
     by it. Raises a :class:`~diloco_serverless.errors.StoreError` subclass naming
-    ``op``, ``url`` and ``key``; never returns a partial result.
+    ``op``, ``url`` and ``key`` (and ``endpoint``, the server actually contacted, when given and
+    the store is unavailable); never returns a partial result.
     """
     deadline = time.monotonic() + policy.timeout_s
     last: BaseException | None = None
@@ -93,11 +96,14 @@ def call_with_retry(
         if n < policy.max_attempts:
             time.sleep(max(0.0, min(policy.delay_s(n), deadline - time.monotonic())))
     where = f"{url}/{key}" if key else url
+    if endpoint:
+        where += f" (endpoint {endpoint})"
     detail = "deadline passed" if last is None else f"{type(last).__name__}: {last}"
     if last is not None and not str(last):
         detail = f"{type(last).__name__}: no answer before the deadline"
     raise StoreUnavailable(
         f"{op} {where}: store unreachable or failing after {made} attempt(s) within the "
-        f"{policy.timeout_s:g} s deadline; check the endpoint, network and credentials, or raise "
-        f"RetryPolicy.timeout_s [{detail}]", url=url, key=key, op=op,
+        f"{policy.timeout_s:g} s deadline; check the endpoint, network and credentials, or raise the "
+        f"deadline (--store-timeout, the run config's store_timeout_s, RetryPolicy.timeout_s) [{detail}]",
+        url=url, key=key, op=op,
     ) from last

@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,27 +268,51 @@ def final_exists(store: ObjectStore) -> bool:
     return store.exists(FINAL_DONE)
 
 
+#: One value per replica process: tells this process's final lock from one an earlier (dead)
+#: incarnation of the same rank left behind.
+_PROCESS_NONCE = uuid.uuid4().hex
+
+
+def _takes_over(held: Any, rank: int, stale_lock_s: float) -> bool:
+    """Whether a lock held by ``held`` may be taken over: its writer was an earlier process of this same
+    rank (executors run one process per rank at a time, so that one is dead), or it is stale."""
+    if not isinstance(held, dict):
+        return True  # unreadable: nobody can be writing under it
+    if held.get("rank") == rank and held.get("nonce") != _PROCESS_NONCE:
+        return True
+    stamp = held.get("time")
+    return not isinstance(stamp, (int, float)) or time.time() - float(stamp) >= stale_lock_s
+
+
 def write_final(
-    store: ObjectStore, model: Any, tokenizer: Any, *, rank: int, attempt: int = 0, stale_lock_s: float = 600.0
+    store: ObjectStore, model: Any, tokenizer: Any, *, rank: int, attempt: int = 0, stale_lock_s: float = 600.0,
+    poll_s: float = 1.0,
 ) -> bool:
     """Write the final model (``save_pretrained``, safetensors) + tokenizer under ``final/``, once per run.
 
-    The writer is whoever creates ``final/LOCK.json`` first (create-only); it uploads the files,
-    then ``final/DONE.json``. A lock older than ``stale_lock_s`` without DONE (its writer died) is
-    taken over. Returns True if this call wrote the model. Store errors propagate.
+    The writer is whoever creates ``final/LOCK.json`` first (create-only); it uploads the files, then
+    ``final/DONE.json``. Every other replica waits for DONE, so the run never reports success with
+    ``final/`` incomplete. A lock is taken over when its writer died: at once by the restarted
+    process of the same rank, by anyone once the lock is ``stale_lock_s`` old. Returns True if this
+    call wrote the model. Store errors propagate.
     """
-
-    if final_exists(store):
-        return False
-    lock = {"rank": rank, "attempt": attempt, "time": time.time()}
-    if not store.put_if_absent(FINAL_LOCK, json.dumps(lock).encode()):
+    lock = {"rank": rank, "attempt": attempt, "nonce": _PROCESS_NONCE, "time": time.time()}
+    while not final_exists(store):
+        if store.put_if_absent(FINAL_LOCK, json.dumps(lock).encode()):
+            break
         try:
             held = store.get_json(FINAL_LOCK)
-            if time.time() - float(held.get("time", 0)) < stale_lock_s:
-                return False
-        except (ObjectNotFound, ValueError, AttributeError, TypeError):
-            return False
-        store.put(FINAL_LOCK, json.dumps(lock).encode())
+        except ObjectNotFound:
+            continue  # deleted in between: try to create it again
+        except (ValueError, TypeError):
+            held = None
+        if _takes_over(held, rank, stale_lock_s):
+            lock["time"] = time.time()
+            store.put(FINAL_LOCK, json.dumps(lock).encode())
+            break
+        time.sleep(poll_s)
+    else:
+        return False
     files = upload_pretrained(model, tokenizer, store, "final")
     store.put_if_absent(FINAL_DONE, json.dumps({**lock, "files": files, "done": time.time()}).encode())
     return True

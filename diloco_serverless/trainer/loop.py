@@ -9,8 +9,10 @@ What every executor runs (through ``python -m diloco_serverless.entrypoints.repl
    parameters, outer optimizer state, manager step, this rank's data position), then replay every
    stored reduced round after it through torchft's own sync code (``DiLoCoReplica.catch_up``), so a
    restarted or late replica holds exactly the global state of the others.
-2. **Rounds**: inner AdamW steps (linear warmup, grad clipping) on ``compose_loss``; torchft's DiLoCo
-   hooks on the inner optimizer exchange one fragment every H/fragments steps through the
+2. **Rounds**: inner AdamW steps on ``compose_loss`` (the lr of ``inner.schedule`` at the global
+   inner step, gradient accumulation over ``data.micro_batch_size`` micro-batches,
+   ``model.precision``, grad clipping); torchft's DiLoCo hooks on the inner optimizer exchange one
+   fragment every H/fragments steps through the
    :class:`~diloco_serverless.trainer.manager.ObjectStoreManager` (DiLoCo, arXiv 2311.08105; Streaming
    DiLoCo, arXiv 2501.18512). Between rounds the replica catches up on rounds the others finished
    without it and re-heals from a checkpoint when it fell behind the pruned rounds.
@@ -21,6 +23,13 @@ What every executor runs (through ``python -m diloco_serverless.entrypoints.repl
    global checkpoint in shards and old rounds/checkpoints are pruned.
 4. The end: the global model in Hugging Face format under ``<run>/final/`` (one writer, create-only
    lock, ``final/DONE.json`` marker) — see :func:`diloco_serverless.trainer.checkpoint.write_final`.
+
+The inner step reads no tensor value into Python (on a GPU: no host-device sync), except once per
+exchange round: the round's first batch is validated, the loss components and token counts are
+accumulated on the device and read for the metrics, and a non-finite loss is recorded on the
+device (the fused AdamW skips that update and every later one of the round through its
+``found_inf`` input) and read once, right before the step that hands over the pseudo-gradient,
+to abstain from the round.
 
 Failure: configuration problems (rank outside the run, empty data shard, a checkpoint whose shapes
 differ from the model) raise before the first step with a message naming the problem; exchange
@@ -34,15 +43,18 @@ import logging
 import math
 import os
 import time
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from diloco_serverless.config import TRUST_REMOTE_CODE_ENV, RunConfig
+from diloco_serverless.config import STORE_TIMEOUT_S, TRUST_REMOTE_CODE_ENV, RunConfig
 from diloco_serverless.data.builder import BatchBuilder, make_reference_model
 from diloco_serverless.errors import ConfigError, StoreError, one_line
-from diloco_serverless.loss import TAIDScheduler, compose_loss
+from diloco_serverless.exchange.errors import AbstainedError
+from diloco_serverless.loss import LossComponents, TAIDScheduler, compose_loss, scored_tokens
 from diloco_serverless.run.integrity import RUN_KEY_ENV, run_key_from_env
 from diloco_serverless.run.members import (
     HEARTBEAT_CHECKPOINTING,
@@ -55,13 +67,13 @@ from diloco_serverless.run.members import (
     write_heartbeat,
     write_metrics,
 )
-from diloco_serverless.run.record import load_run
+from diloco_serverless.run.record import load_run, store_policy
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.checkpoint import final_exists, write_final
 from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
 from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
-from diloco_serverless.trainer.model import build_model
+from diloco_serverless.trainer.model import autocast, build_model, compile_model
 
 logger = logging.getLogger(__name__)
 
@@ -79,23 +91,83 @@ class TrainResult:
     metrics: list[dict[str, Any]] = field(default_factory=list)
 
 
+_COMPONENTS = ("total", "lm_ce", "sdpo_jsd", "trace_replay_dpo")
+
+
 @dataclass
 class _Segment:
-    """Accumulators for the inner steps of one exchange round."""
+    """Accumulators for the inner steps of one exchange round, kept on the device: the loss
+    components and token counts are read once, when the round's metrics are written."""
 
     start: float = field(default_factory=time.monotonic)
     steps: int = 0
-    tokens: int = 0
-    sums: dict[str, float] = field(default_factory=dict)
+    sums: torch.Tensor | None = None  # [4] fp32: _COMPONENTS summed over the round's steps
+    token_sum: torch.Tensor | None = None  # attention-mask tokens of the round's batches
 
-    def add(self, comps: dict[str, float], tokens: int) -> None:
+    def add(self, comps: LossComponents, tokens: torch.Tensor) -> None:
+        values = torch.stack([getattr(comps, name).detach().float() for name in _COMPONENTS])
+        self.sums = values if self.sums is None else self.sums + values
+        self.token_sum = tokens if self.token_sum is None else self.token_sum + tokens
         self.steps += 1
-        self.tokens += tokens
-        for k, v in comps.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
 
-    def means(self) -> dict[str, float]:
-        return {k: v / max(1, self.steps) for k, v in self.sums.items()}
+    def read(self) -> tuple[dict[str, float], int]:
+        """``(component means, tokens)`` of the round: one read of the device accumulators."""
+        if self.sums is None or self.token_sum is None:
+            return {}, 0
+        *sums, tokens = torch.cat([self.sums.double(), self.token_sum.double().reshape(1)]).tolist()
+        return {name: v / self.steps for name, v in zip(_COMPONENTS, sums)}, int(tokens)
+
+
+def _micro_batches(batch: Mapping[str, Any], size: int) -> list[dict[str, Any]]:
+    """``batch`` cut into consecutive row slices of ``size`` rows (views, no copies); keys whose
+    tensor is not ``[B, ...]`` (an absent, empty channel) are passed to every slice unchanged."""
+    rows = int(batch["input_ids"].shape[0])
+    if size >= rows:
+        return [dict(batch)]
+
+    def cut(value: Any, start: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+            return value[start : start + size]
+        return value
+
+    return [{k: cut(v, start) for k, v in batch.items()} for start in range(0, rows, size)]
+
+
+def _set_global_grads(fragment: Any) -> None:
+    """``_StreamingDiLoCoFragment._set_grads`` for fp32 global parameters: the averaged
+    pseudo-gradient becomes the ``.grad`` of the fp32 globals the outer optimizer steps."""
+    for name, tensor in fragment.original_parameters.items():
+        tensor.grad = fragment._grads.pop(name).to(device=tensor.device, dtype=torch.float32)
+
+
+def keep_global_state_fp32(rep: DiLoCoReplica) -> None:
+    """With low-precision (bf16) parameters, keep the global parameters, the outer step and the
+    pseudo-gradients in fp32.
+
+    torchft's DiLoCo fragment keeps the global parameters (``original_parameters``) in the
+    parameters' dtype and steps the outer optimizer on the model's own parameters, so with bf16
+    parameters the global model, the outer momentum and the exchanged pseudo-gradients would all be
+    bf16. Here each such fragment gets fp32 copies of its global parameters with an fp32 outer
+    optimizer (same hyper-parameters) over them: the pseudo-gradient is ``fp32 global - bf16 local``
+    in fp32 (so the exchange sends and averages fp32), the outer step updates the fp32 globals, and
+    the model's parameters become the new globals rounded to bf16. Replay and checkpoints go through
+    the same fragment code, so healing stays bit-identical. fp32 fragments are left as they are.
+    """
+    for i, frag in enumerate(rep.diloco._fragments):
+        if all(t.dtype == torch.float32 for t in frag.original_parameters.values()):
+            continue
+        globals_ = {name: t.detach().to(torch.float32) for name, t in frag.original_parameters.items()}
+        outer = torch.optim.SGD(list(globals_.values()), **frag._outer_optimizer.defaults)
+        frag.original_parameters = globals_
+        # one flat fp32 buffer per fragment, as build_diloco sized it for the parameters' dtype
+        fp32_bytes = sum(t.numel() for t in globals_.values()) * 4
+        frag.bucket_cap_mb = max(int(frag.bucket_cap_mb), fp32_bytes + 2**20)  # torchft keeps it in bytes
+        frag._outer_optimizer = outer
+        rep.outer_optimizers[i] = outer
+        frag._set_grads = types.MethodType(_set_global_grads, frag)
+        # perform_sync calls save_parameters() right after the outer step: the new fp32 globals go
+        # into the (bf16) model instead of the model overwriting them
+        frag.save_parameters = frag.restore_parameters
 
 
 class ReplicaTrainer:
@@ -119,13 +191,14 @@ class ReplicaTrainer:
         ckpt.sync_initial_parameters(run_store, model, run_key)  # identical start on every replica, bit for bit
         self.model = model.to(self.device)  # type: ignore[arg-type]  # transformers wraps .to(); its stub takes the model
         ref = make_reference_model(self.model) if cfg.loss.needs_reference else None
+        compile_model(self.model, cfg.model)  # after the reference copy: a compiled module does not deep-copy
+        if ref is not None:
+            compile_model(ref, cfg.model)
         self.data = BatchBuilder.from_config(
             cfg, self.tokenizer, rank=rank, ref_model=ref, device=self.device, storage_options=storage_options
         )
         self.manager = self._build_manager(storage_options, {"run_key": run_key, **(exchange_options or {})})
-        self.inner = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay
-        )
+        self.inner = self._build_inner_optimizer()
         self.rep: DiLoCoReplica = build_diloco(
             self.manager,
             self.model,
@@ -137,7 +210,18 @@ class ReplicaTrainer:
             outer_momentum=cfg.outer.momentum,
             nesterov=cfg.outer.nesterov,
         )
+        keep_global_state_fp32(self.rep)
         self.taid = self._build_taid()
+        self.total_inner_steps = cfg.rounds * cfg.inner.sync_every  # what inner.schedule spans
+        self.micro_batch = cfg.data.micro_batch_size or cfg.data.batch_size
+        # per-round divergence record, on the device (read once per round, see _check_divergence):
+        # the first inner step whose loss was not finite (-1: none) and that loss; _skip is the fused
+        # AdamW's found_inf, 1 from that step on, so no update is applied until the exchange
+        self._diverged_at = torch.full((), -1, dtype=torch.long, device=self.device)
+        self._diverged_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._skip = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self._fused:
+            self.inner.found_inf = self._skip  # type: ignore[attr-defined]  # read by torch's fused AdamW
         self.inner_steps = 0
         self.bytes_up = self.bytes_down = 0
         self.replayed = self.trained = 0
@@ -170,7 +254,9 @@ class ReplicaTrainer:
         if run_key is None:
             logger.warning("rank %d: %s is not set: run.json and the exchange objects cannot be verified",
                            rank, RUN_KEY_ENV)
-        run_store, record = load_run(run_url, storage_options, key=run_key)
+        # run.json is read within the default deadline; everything after it within the run's own
+        run_store, record = load_run(run_url, storage_options, key=run_key, timeout_s=STORE_TIMEOUT_S)
+        run_store = run_store.with_retry(store_policy(record.config))
         if record.config.model.trust_remote_code and os.environ.get(TRUST_REMOTE_CODE_ENV) != "1":
             raise ConfigError(
                 f"{run_store.url}/run.json asks for model.trust_remote_code, but the launcher was not given "
@@ -209,6 +295,19 @@ class ReplicaTrainer:
             **opts,
         )
 
+    def _build_inner_optimizer(self) -> torch.optim.AdamW:
+        """AdamW, fused where torch has a fused kernel for the device (CPU, CUDA, ...): one kernel
+        for all parameters, and its ``found_inf`` input skips an update without a host read."""
+        inner = self.cfg.inner
+        kwargs: dict[str, Any] = {"lr": inner.lr, "betas": inner.betas, "weight_decay": inner.weight_decay}
+        try:
+            opt = torch.optim.AdamW(self.model.parameters(), fused=True, **kwargs)
+            self._fused = True
+        except RuntimeError:  # no fused kernel for this device or dtype
+            opt = torch.optim.AdamW(self.model.parameters(), **kwargs)
+            self._fused = False
+        return opt
+
     def _build_taid(self) -> TAIDScheduler | None:
         loss = self.cfg.loss
         if loss.sdpo_wrapper != "taid" or loss.alpha_sdpo == 0:
@@ -240,6 +339,11 @@ class ReplicaTrainer:
                 self._restore_replica_state(*own)
             logger.info("rank %d: loaded checkpoint of round %d (step %d)%s", self.rank, latest, info.step,
                         " with this replica's own state" if own is not None else "")
+        elif latest is None and self.manager.current_step() == 0:
+            # No checkpoint yet: this process starts from exactly the state the run started from
+            # (stored initial parameters, a fresh optimizer, seeded RNG, data position 0), so rounds
+            # this rank took part in are re-trained exactly, not replayed.
+            self.manager.retrain_own_rounds = True
         replayed = self.rep.catch_up(self.total_rounds)
         self.replayed += replayed
         gained = self.manager.current_step() - before
@@ -269,11 +373,15 @@ class ReplicaTrainer:
         residuals = getattr(getattr(self.manager, "exchange", None), "residuals", None)
         for key, value in (residuals() if callable(residuals) else {}).items():
             tensors[f"residual/{key}"] = value
+        at, loss = torch.stack([self._diverged_at.double(), self._diverged_loss.double()]).tolist()
         doc = {
             "param_groups": opt["param_groups"],
             "optim_scalars": scalars,
             "taid": self.taid.state_dict() if self.taid is not None else None,
             "inner_steps": self.inner_steps,
+            # a non-finite loss after this round's exchange was handed over: the next round abstains
+            "diverged": {"at": int(at), "loss": repr(loss)} if at >= 0 else None,
+            "abstain_reason": self.manager.abstain_reason,
         }
         return tensors, doc
 
@@ -287,7 +395,12 @@ class ReplicaTrainer:
                 state.setdefault(int(idx), {})[field_name] = value
         for idx, extra in doc.get("optim_scalars", {}).items():
             state.setdefault(int(idx), {}).update(extra)
-        self.inner.load_state_dict({"state": state, "param_groups": doc["param_groups"]})
+        # the implementation is this replica's choice, not the checkpoint's (one written before AdamW
+        # was fused, or on another device, would otherwise switch it off: found_inf needs fused)
+        impl = ("fused", "foreach", "capturable")
+        groups = [{**saved, **{k: now.get(k) for k in impl}} for saved, now in
+                  zip(doc["param_groups"], self.inner.param_groups)]
+        self.inner.load_state_dict({"state": state, "param_groups": groups})
         torch.set_rng_state(tensors["rng/torch"])
         if "rng/cuda" in tensors and torch.cuda.is_available() and self.device.type == "cuda":
             torch.cuda.set_rng_state(tensors["rng/cuda"], self.device)
@@ -296,6 +409,11 @@ class ReplicaTrainer:
             load_residuals({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("residual/")})
         if self.taid is not None and doc.get("taid") is not None:
             self.taid.load_state_dict(doc["taid"])
+        diverged = doc.get("diverged")
+        self._diverged_at.fill_(-1 if diverged is None else int(diverged["at"]))
+        self._diverged_loss.fill_(0.0 if diverged is None else float(diverged["loss"]))
+        self._skip.fill_(0.0 if diverged is None else 1.0)
+        self.manager.abstain_reason = doc.get("abstain_reason")
         self.manager.retrain_own_rounds = True
 
     def check_checkpoint_compatible(self) -> None:
@@ -343,6 +461,9 @@ class ReplicaTrainer:
         if record is not None and record.round == round_ and record.abstained is not None:
             self._after_abstention(round_, record.abstained)
         committed = self.manager.current_step() > round_
+        if record is not None and record.round == round_ and isinstance(record.failure, AbstainedError):
+            # every replica of the round raised the same error: retrying would only repeat it
+            raise record.failure
         if committed:
             self.trained += 1
         else:  # the round failed on this replica: the others may have moved on and pruned
@@ -358,37 +479,77 @@ class ReplicaTrainer:
         self._note = f"abstained from round {round_}: {reason}"[:500]
 
     def _inner_step(self, seg: _Segment) -> None:
+        """One inner step: the scheduled lr, forward/backward of ``compose_loss`` over the batch's
+        micro-batches (gradients summed to the whole batch's), clipping, the inner optimizer (whose
+        torchft hooks may prepare or perform an exchange). Reads no tensor value except on the
+        round's first step (batch validation) and right before the exchange is prepared."""
         cfg = self.cfg
-        lr_scale = min(1.0, (self.inner_steps + 1) / max(1, cfg.inner.warmup_steps))
+        lr = cfg.inner.lr_at(self.inner_steps, self.total_inner_steps)
         for group in self.inner.param_groups:
-            group["lr"] = cfg.inner.lr * lr_scale
-        batch = self.data.next_batch()
-        kwargs = cfg.loss.compose_kwargs(taid_t=self.taid.t if self.taid else None)
-        comps = compose_loss(self.model, batch, **kwargs)
+            group["lr"] = lr
+        with autocast(cfg.model, self.device):  # the DPO reference forwards of the batch, too
+            batch = self.data.next_batch()
         self.inner.zero_grad(set_to_none=True)
-        finite = bool(torch.isfinite(comps.total))
-        if finite:
-            comps.total.backward()  # type: ignore[no-untyped-call]  # untyped in torch
-            if cfg.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.inner.grad_clip)
-        elif self.manager.abstain_reason is None:
-            # Diverged: take no more steps this round and do not contribute to it (see _after_sync).
+        comps = self._forward_backward(batch, validate=seg.steps == 0)
+        if cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.inner.grad_clip, foreach=True)
+        bad = self._record_divergence(comps.total)
+        if seg.steps + 1 == self.rep.inner_steps_per_round - cfg.exchange.fragment_sync_delay:
+            self._check_divergence()  # this step's inner.step() hands the pseudo-gradient over
+        if not self._fused and bool(self._skip):  # no found_inf: drop the gradients instead
+            self.inner.zero_grad(set_to_none=True)
+        self.inner.step()  # torchft's DiLoCo hooks may prepare/perform a fragment sync here
+        if self.taid is not None and not bool(bad):
+            self.taid.update_t(comps.sdpo_jsd, self.inner_steps)
+        self.inner_steps += 1
+        seg.add(comps, batch["attention_mask"].sum())
+
+    def _forward_backward(self, batch: Mapping[str, Any], *, validate: bool = False) -> LossComponents:
+        """Accumulate into ``.grad`` the gradient of the loss of ``batch``, in micro-batches of
+        ``data.micro_batch_size`` rows under the model's precision; returns the batch's loss
+        components (the micro-batches' shares summed: the same as one pass over the whole batch)."""
+        kwargs = self.cfg.loss.compose_kwargs(taid_t=self.taid.t if self.taid else None)
+        parts = _micro_batches(batch, self.micro_batch)
+        if len(parts) > 1:  # each micro-batch's loss is its share of the whole batch's mean
+            kwargs.update(token_count=scored_tokens(batch), pair_count=float(batch["input_ids"].shape[0]))
+        comps: LossComponents | None = None
+        for part in parts:
+            with autocast(self.cfg.model, self.device):
+                out = compose_loss(self.model, part, validate=validate, **kwargs)
+            out.total.backward()  # type: ignore[no-untyped-call]  # untyped in torch
+            comps = out if comps is None else _add(comps, out)
+        assert comps is not None
+        return comps
+
+    def _record_divergence(self, total: torch.Tensor) -> torch.Tensor:
+        """Note on the device whether ``total`` is not finite (the first such step of the round and
+        its loss) and, from then on, skip the inner updates; returns the device flag of this step."""
+        bad = ~torch.isfinite(total.detach())
+        first = bad & (self._diverged_at < 0)
+        self._diverged_at.masked_fill_(first, self.inner_steps)
+        self._diverged_loss.copy_(torch.where(first, total.detach().float(), self._diverged_loss))
+        self._skip.copy_(self._diverged_at >= 0)
+        return bad
+
+    def _check_divergence(self) -> None:
+        """Once per round, before the pseudo-gradient is handed over: if a loss of the round was not
+        finite, abstain from the round (see _after_abstention) and start the record afresh."""
+        at, loss = torch.stack([self._diverged_at.double(), self._diverged_loss.double()]).tolist()
+        if at < 0:
+            return
+        if self.manager.abstain_reason is None:
             self.manager.abstain_reason = (
-                f"loss is {float(comps.total.detach())} at inner step {self.inner_steps}; lower inner.lr or raise "
-                "inner.warmup_steps"
+                f"loss is {loss} at inner step {int(at)}; lower inner.lr or raise inner.warmup_steps"
             )
             logger.warning("rank %d: %s; abstaining from round %d", self.rank, self.manager.abstain_reason,
                            self.manager.current_step())
-        if not finite or self.manager.abstain_reason is not None:
-            self.inner.zero_grad(set_to_none=True)  # no update, but the step still counts towards the sync
-        self.inner.step()  # torchft's DiLoCo hooks may prepare/perform a fragment sync here
-        if self.taid is not None and finite:
-            self.taid.update_t(comps.sdpo_jsd, self.inner_steps)
-        self.inner_steps += 1
-        seg.add(comps.to_floats(), int(batch["attention_mask"].sum()))
+        self._diverged_at.fill_(-1)
+        self._skip.zero_()
 
     # ------------------------------------------------------------------ per-round bookkeeping
     def _after_round(self, round_: int, seg: _Segment, record: ExchangeRecord | None, committed: bool) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # wall and tokens/s count the round's queued work
         wall = time.monotonic() - seg.start
         blocked = record.blocked_s if record else 0.0
         if record is not None:
@@ -423,6 +584,7 @@ class ReplicaTrainer:
         eval_loss: float | None,
     ) -> dict[str, Any]:
         inner_s = max(0.0, wall - blocked)
+        means, tokens = seg.read()
         out: dict[str, Any] = {
             "attempt": self.attempt,
             "fragment": round_ % self.fragments,
@@ -430,12 +592,13 @@ class ReplicaTrainer:
             "committed": committed,
             "inner_steps": seg.steps,
             "inner_step_total": self.inner_steps,
-            **seg.means(),
-            "tokens": seg.tokens,
-            "tokens_per_s": seg.tokens / inner_s if inner_s > 0 else 0.0,
+            **means,
+            "tokens": tokens,
+            "tokens_per_s": tokens / inner_s if inner_s > 0 else 0.0,
             "wall_s": wall,
             "inner_s": inner_s,
             "wait_s": blocked,
+            "data_wait_s": self.data.reset_data_wait(),  # the inner loop waiting for batches
             "lr": self.inner.param_groups[0]["lr"],
         }
         if record is not None:
@@ -462,7 +625,8 @@ class ReplicaTrainer:
             params[n].copy_(t)
         was_training = self.model.training
         self.model.eval()
-        losses = [float(compose_loss(self.model, b).lm_ce) for b in self.data.eval_batches()]
+        with autocast(self.cfg.model, self.device):
+            losses = [float(compose_loss(self.model, b).lm_ce) for b in self.data.eval_batches()]
         self.model.train(was_training)
         for n, t in live.items():
             params[n].copy_(t)
@@ -537,3 +701,8 @@ class ReplicaTrainer:
             write_heartbeat(self.store, hb)
         except Exception as exc:
             logger.warning("rank %d: heartbeat failed: %s", self.rank, exc)
+
+
+def _add(a: LossComponents, b: LossComponents) -> LossComponents:
+    """Component-wise sum (the micro-batches' shares of one batch's loss)."""
+    return LossComponents(*(getattr(a, name) + getattr(b, name) for name in _COMPONENTS))

@@ -61,6 +61,7 @@ class ExchangeRecord:
     exchange_s: float = 0.0  # wall time of the exchange on the background thread
     blocked_s: float = 0.0  # time the training thread spent blocked in Work.wait()
     error: str | None = None
+    failure: Exception | None = field(default=None, repr=False, compare=False)  # what ``error`` describes
     abstained: str | None = None  # why this replica did not contribute (non-finite loss or values)
 
 
@@ -249,6 +250,7 @@ class ManagerBase(abc.ABC):
         except Exception as exc:
             logger.warning("rank %d: exchange of round %d failed: %s", self.rank, record.round, exc)
             record.error = f"{type(exc).__name__}: {exc}"
+            record.failure = exc
             self.report_error(exc)
             with torch.no_grad():
                 tensor.zero_()

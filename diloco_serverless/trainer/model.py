@@ -8,19 +8,30 @@
   ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` and a ChatML chat template. Random init from
   ``seed`` only, so every replica builds bit-identical weights; nothing is downloaded.
 * anything else: ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``
-  (Hub name or local directory); a missing pad token is set to the EOS token.
+  (Hub name or local directory, with its own tokenizer and chat template); a missing pad token is
+  set to the EOS token.
+
+Both honour ``model.attn_implementation`` (SDPA by default), ``model.precision`` / ``model.dtype``
+(the parameters are float32, or bfloat16 for precision ``"bf16"``; :func:`autocast` gives the bf16
+autocast context of ``"bf16-autocast"``) and ``model.gradient_checkpointing``; the KV cache is
+switched off for training (``config.use_cache``, restored by :func:`for_inference` before saving).
+:func:`compile_model` applies ``model.compile`` (``torch.compile`` in place, so parameter names,
+``state_dict`` and ``save_pretrained`` are unchanged).
 
 Both round-trip through ``save_pretrained`` / ``from_pretrained`` (safetensors), which is how
 ``<run>/final/`` is written (:func:`upload_pretrained`) and read back (:func:`download_pretrained`).
 
 Failure: a named model that cannot be loaded raises ``ModelLoadError`` naming the model and the fix
-(network, name, revision or ``trust_remote_code``).
+(network, name, revision or ``trust_remote_code``); so does an attention implementation or gradient
+checkpointing that the model does not support.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +54,9 @@ __all__ = [
     "TINY_PRESET",
     "ModelLoadError",
     "build_model",
+    "autocast",
+    "compile_model",
+    "for_inference",
     "build_byte_tokenizer",
     "tiny_config",
     "count_parameters",
@@ -139,12 +153,23 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def _build_tiny(seed: int, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _attn_error(cfg: ModelConfig, exc: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"model {cfg.name!r} cannot use model.attn_implementation={cfg.attn_implementation!r}: "
+        f"{str(exc).rstrip('.')}. Use \"sdpa\" (the default) or \"eager\", or install the kernel's package"
+    )
+
+
+def _build_tiny(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     tokenizer = build_byte_tokenizer()
     config = tiny_config(len(tokenizer))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+    config._attn_implementation = cfg.attn_implementation
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen2ForCausalLM(config)
+    except (ValueError, ImportError) as exc:
+        raise _attn_error(cfg, exc) from exc
     return model.to(dtype), tokenizer  # type: ignore[arg-type]  # transformers wraps .to(); its stub takes the model
 
 
@@ -152,13 +177,18 @@ def _build_named(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel,
     kwargs: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(
-            f"cannot load model {cfg.name!r} (revision {cfg.revision!r}): {str(exc).rstrip('.')}. "
-            "Check the name or local path, network access to the Hub (HF_TOKEN for gated models), "
-            'or use model.name="tiny"'
-        ) from exc
+        raise _load_error(cfg, exc) from exc
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.name, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
+        )
+    except ImportError as exc:
+        raise _attn_error(cfg, exc) from exc
+    except (OSError, ValueError, KeyError) as exc:
+        if "attn" in str(exc).lower() or "attention" in str(exc).lower():
+            raise _attn_error(cfg, exc) from exc
+        raise _load_error(cfg, exc) from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelLoadError(f"tokenizer of {cfg.name!r} has neither a pad nor an EOS token; cannot pad batches")
@@ -166,16 +196,69 @@ def _build_named(cfg: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel,
     return model.to(dtype), tokenizer  # type: ignore[arg-type]  # transformers wraps .to(); its stub takes the model
 
 
+def _load_error(cfg: ModelConfig, exc: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"cannot load model {cfg.name!r} (revision {cfg.revision!r}): {str(exc).rstrip('.')}. "
+        "Check the name or local path, network access to the Hub (HF_TOKEN for gated models), "
+        'or use model.name="tiny"'
+    )
+
+
 def build_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Build ``(model, tokenizer)`` for ``cfg``; tiny models are random-initialised from ``seed``.
 
-    The model is returned in train mode on the CPU in ``cfg.dtype``; move it with ``.to(device)``.
-    Raises ModelLoadError for a named model that cannot be loaded.
+    The model is returned in train mode on the CPU with ``cfg.param_dtype`` parameters, the KV cache
+    off and gradient checkpointing on when asked; move it with ``.to(device)``. Raises
+    ModelLoadError for a named model that cannot be loaded, an attention implementation it cannot
+    use, or gradient checkpointing it does not support.
     """
-    dtype = torch_dtype(cfg.dtype)
-    model, tokenizer = _build_tiny(seed, dtype) if cfg.name == "tiny" else _build_named(cfg, dtype)
+    dtype = torch_dtype(cfg.param_dtype)
+    model, tokenizer = _build_tiny(cfg, seed, dtype) if cfg.name == "tiny" else _build_named(cfg, dtype)
+    model._diloco_use_cache = model.config.use_cache  # for_inference() puts it back around save_pretrained
+    model.config.use_cache = False  # training never reads a KV cache; building one costs time and memory
+    if cfg.gradient_checkpointing:
+        if not model.supports_gradient_checkpointing:
+            raise ModelLoadError(
+                f"model {cfg.name!r} ({type(model).__name__}) does not support gradient checkpointing; "
+                "set model.gradient_checkpointing=false"
+            )
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:  # pragma: no cover - older transformers
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[no-untyped-call]
     model.train()
     return model, tokenizer
+
+
+def autocast(cfg: ModelConfig, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    """The context forward and backward run in: bf16 autocast for precision ``"bf16-autocast"``
+    (parameters, gradients and optimizer state stay fp32), nothing otherwise."""
+    device = torch.device(device)
+    if cfg.autocast:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def compile_model(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+    """``torch.compile`` ``model`` in place when ``cfg.compile`` (``nn.Module.compile``: the module,
+    its parameters and their names stay the same objects); returns ``model``."""
+    if cfg.compile:
+        model.compile()
+    return model
+
+
+@contextlib.contextmanager
+def for_inference(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """Inside the block ``model.config.use_cache`` is what the model's config had before
+    :func:`build_model` switched it off for training (normally True, for generation), e.g. around
+    ``save_pretrained``; the training setting is put back after."""
+    before = model.config.use_cache
+    model.config.use_cache = getattr(model, "_diloco_use_cache", True)
+    try:
+        yield model
+    finally:
+        model.config.use_cache = before
 
 
 def upload_pretrained(
@@ -185,7 +268,8 @@ def upload_pretrained(
     ``<store>/<prefix>/``. ``store`` is an ObjectStore; returns the keys written."""
     written: list[str] = []
     with tempfile.TemporaryDirectory(prefix="diloco-final-") as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with for_inference(model):
+            model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for path in sorted(Path(tmp).rglob("*")):

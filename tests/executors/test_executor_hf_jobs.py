@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -23,9 +24,10 @@ from diloco_serverless.executors import ReplicaStatus
 from diloco_serverless.executors.base import (
     ExecutorUnavailable,
     ReplicaFailedError,
+    ShippedCode,
     handle_from_json,
 )
-from diloco_serverless.executors.hf_jobs import HFJobsExecutor
+from diloco_serverless.executors.hf_jobs import HFJobsExecutor, label_value
 from diloco_serverless.executors.registry import executor_for_handle, executor_from_launch, get_executor
 from support import FAKE_REPLICA, pythonpath_env
 from support.fake_hf_jobs_server import FakeHFJobsServer
@@ -73,7 +75,8 @@ def test_launch_collect_success_with_labels_env_and_secrets(
         # credentials travel as secrets, never as plain environment
         assert spec["secrets"] == {"FAKE_SECRET": "s3cr3t-value", "AWS_SECRET_ACCESS_KEY": "k"}
         assert "AWS_SECRET_ACCESS_KEY" not in spec["environment"]
-        assert spec["command"][:3] == ["python", "-m", FAKE] and spec["flavor"] == "cpu-basic"
+        assert spec["command"][:2] == ["bash", "-c"] and f"python -m {FAKE} --sleep-s 0.2 &" in spec["command"][2]
+        assert spec["flavor"] == "cpu-basic"
         assert spec["attempts"] == 1
     log = ex.logs(handles[1])
     assert "fake replica rank=1 attempt=0" in log and "FAKE_SECRET_SET=True" in log
@@ -138,12 +141,70 @@ def test_bad_configuration_fails_before_launch(hub: FakeHFJobsServer, monkeypatc
     assert not hub.jobs
 
 
-def test_default_command_installs_the_package() -> None:
+def test_default_ships_the_running_code_and_published_releases_are_explicit() -> None:
+    """Finding 1: the default no longer pip-installs an unpublished ``diloco-serverless==<version>``."""
     ex = HFJobsExecutor(token="x", forward_credentials=False)
-    cmd = ex.command("diloco_serverless.entrypoints.replica", ["--run-url", "s3://b/r"])
-    assert cmd[:2] == ["bash", "-c"]
-    assert "pip install" in cmd[2] and "diloco-serverless[s3,gcs,hf]==" in cmd[2]
-    assert cmd[2].endswith("exec python -m diloco_serverless.entrypoints.replica --run-url s3://b/r")
+    assert ex.install == "local" and ex.extras == ("s3", "gcs", "hf")
+    code = ShippedCode(url="s3://b/runs/r/code/diloco_serverless-0.1.0+src.abc-py3-none-any.whl", sha256="ab" * 32,
+                       version="0.1.0+src.abc", filename="diloco_serverless-0.1.0+src.abc-py3-none-any.whl")
+    script = ex.command("diloco_serverless.entrypoints.replica", ["--run-url", "s3://b/r"], code)[2]
+    assert "diloco-serverless[s3,gcs,hf]==" not in script
+    assert f" {code.url} {code.sha256} " in script  # the fetch step checks the launcher's SHA-256
+    assert '"${TMPDIR:-/tmp}/diloco-code/diloco_serverless-0.1.0+src.abc-py3-none-any.whl[s3,gcs,hf]"' in script
+    assert "'s3fs>=2024.6'" in script and "'torch>=2.7'" in script  # the requirements, from the index
+    assert "python -m diloco_serverless.entrypoints.replica --run-url s3://b/r &" in script
+    with pytest.raises(ExecutorError, match="needs the shipped code"):
+        ex.command("m", [])
+    published = HFJobsExecutor(token="x", forward_credentials=False, install="diloco-serverless[s3,hf]==0.1.0")
+    assert "pip install --quiet 'diloco-serverless[s3,hf]==0.1.0' || exit $?" in published.command("m", [])[2]
+    for none in (None, "none", "None", ""):
+        bare = HFJobsExecutor(token="x", forward_credentials=False, install=none)
+        assert bare.install is None and "pip install" not in bare.command("m", [])[2]
+    with pytest.raises(ExecutorUnavailable, match="extras must be plain names"):
+        HFJobsExecutor(token="x", extras=["s3];rm -rf /"])
+
+
+def test_setup_error_exit_code_2_is_not_retried(hub: FakeHFJobsServer, job_env: dict[str, str]) -> None:
+    """Finding 5: exit code 2 (bad input) ends the Job without using its attempts; poll says failed."""
+    ex = _executor(hub, retries=2)
+    handles = ex.launch_replicas(1, FAKE, ["--exit-code", "2"], env=job_env)
+    with pytest.raises(ReplicaFailedError) as info:
+        ex.collect(handles, timeout=60)
+    (result,) = info.value.results
+    assert result.exit_code == 2 and "setup error, not retried" in (result.reason or "")
+    assert "rank 0 fails with boom (exit 2)" in (result.reason or "")
+    job = hub.jobs[handles[0].data["job_id"]]
+    assert job.spec["attempts"] == 3 and job.stage == "COMPLETED"  # the Hub saw a clean exit: no re-run
+    assert ex.logs(handles[0], tail=None).count("fake replica rank=0 attempt=0") == 1
+    # a crash (any other code) still uses the attempts
+    crash = ex.launch_replicas(1, FAKE, ["--exit-code", "3"], env=job_env)
+    with pytest.raises(ReplicaFailedError, match="exit code 3"):
+        ex.collect(crash, timeout=60)
+    assert ex.logs(crash[0], tail=None).count("fake replica rank=0 attempt=0") == 3
+
+
+def test_label_values_are_sanitized(hub: FakeHFJobsServer, job_env: dict[str, str]) -> None:
+    """Finding 3: run ids may contain '.', which Job labels (stored as tags) reject."""
+    assert label_value("run-20261129-214455-ab12") == "run-20261129-214455-ab12"  # plain ids are kept
+    dotted = label_value("exp.v1.2")
+    assert re.fullmatch(r"exp-v1-2-[0-9a-f]{8}", dotted) and dotted != label_value("exp-v1-2")
+    assert len(label_value("a" * 128)) <= 63 and label_value("a" * 128) != label_value("a" * 127)
+    env = {**job_env, "DILOCO_RUN_URL": "s3://bucket/runs/exp.v1.2"}
+    handles = _executor(hub, retries=0).launch_replicas(1, FAKE, [], env=env)
+    labels = hub.jobs[handles[0].data["job_id"]].spec["labels"]
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{1,63}", v) for v in labels.values()), labels
+    assert labels["diloco-run"] == dotted == handles[0].data["label"] and handles[0].data["run_id"] == "exp.v1.2"
+
+
+def test_an_unknown_stage_is_unknown_not_pending(hub: FakeHFJobsServer, job_env: dict[str, str]) -> None:
+    ex = _executor(hub, retries=0)
+    handles = ex.launch_replicas(1, FAKE, ["--sleep-s", "600"], env=job_env)
+    job = hub.jobs[handles[0].data["job_id"]]
+    with job.lock:
+        job.stage = "PAUSED"
+    (state,) = ex.poll(handles)
+    assert state.status is ReplicaStatus.UNKNOWN and "PAUSED" in (state.reason or "")
+    ex.cancel(handles)
 
 
 @pytest.mark.live

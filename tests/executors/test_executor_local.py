@@ -100,6 +100,19 @@ def test_retries_exhausted_fails(tmp_path: Path, env: dict[str, str]) -> None:
     assert ex.poll(handles)[0].attempt == 1
 
 
+def test_setup_error_exit_code_2_is_not_retried(tmp_path: Path, env: dict[str, str]) -> None:
+    """Finding 5: exit code 2 means the input is wrong (entrypoints/replica.py); restarting cannot help."""
+    ex = _executor(tmp_path, retries=3)
+    handles = ex.launch_replicas(1, FAKE, ["--exit-code", "2"], env=env)
+    with pytest.raises(ReplicaFailedError) as info:
+        ex.collect(handles, timeout=60)
+    (result,) = info.value.results
+    assert result.exit_code == 2 and result.attempt == 0
+    assert "setup error, not retried" in (result.reason or "") and "rank 0 fails with boom" in (result.reason or "")
+    log = ex.logs(handles[0], tail=None)
+    assert log.count("fake replica rank=0") == 1 and "restarting in" not in log and "not restarting" in log
+
+
 def test_killed_replica_is_restarted(tmp_path: Path, env: dict[str, str]) -> None:
     ex = _executor(tmp_path, retries=1)
     hb = tmp_path / "hb"

@@ -8,6 +8,7 @@ the outcome of ``FunctionCall.get(timeout=0)`` per call. Its ``exception`` attri
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import types
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from diloco_serverless.errors import ExecutorError
-from diloco_serverless.executors import ReplicaStatus
+from diloco_serverless.executors import ReplicaStatus, _package
 from diloco_serverless.executors import modal as modal_executor
 from diloco_serverless.executors._remote import ReplicaProcessError, run_replica_process
 from diloco_serverless.executors.base import (
@@ -52,6 +53,16 @@ class FakeCall:
 
     def cancel(self, terminate_containers: bool = False) -> None:
         self.fake.cancelled.append((self.object_id, terminate_containers))
+
+    def get_call_graph(self) -> list[Any]:
+        graph = self.fake.graphs.get(self.object_id, "queued")
+        if isinstance(graph, BaseException):
+            raise graph
+        if graph == "absent":
+            return []
+        task = "ta-1" if graph == "running" else ""
+        return [types.SimpleNamespace(input_id="in-1", function_call_id=self.object_id, task_id=task, status=0,
+                                      function_name="run_replica", module_name="", children=[])]
 
     def _tail(self, entries: int = 100) -> Iterator[Any]:
         lines = [f"log line {i} of {self.object_id}\n" for i in range(3)]
@@ -103,6 +114,9 @@ class FakeModal:
         self.with_options: list[dict[str, Any]] = []
         self.from_name: list[tuple[Any, ...]] = []
         self.app_running = False
+        self.graphs: dict[str, Any] = {}
+        self.output_enabled = False
+        self.runs_with_output: list[bool] = []
 
     def module(self) -> types.ModuleType:
         fake = self
@@ -123,11 +137,14 @@ class FakeModal:
             @contextmanager
             def run(self, **kw: Any) -> Iterator[App]:
                 fake.runs.append(kw)
+                fake.runs_with_output.append(fake.output_enabled)
                 self.app_id, fake.app_running = "ap-123", True
                 try:
                     yield self
                 finally:
                     fake.app_running = False
+                    if fake.output_enabled:  # what modal's App.run logs when a detached App outlives it
+                        logging.getLogger("modal-client").warning("Timed out waiting for final app logs.")
 
         class Function:
             @staticmethod
@@ -142,7 +159,16 @@ class FakeModal:
                     raise modal_exception.NotFoundError(f"no call {call_id}")
                 return fake.calls[call_id]
 
+        @contextmanager
+        def enable_output() -> Iterator[None]:
+            fake.output_enabled = True
+            try:
+                yield
+            finally:
+                fake.output_enabled = False
+
         mod.App, mod.Function, mod.FunctionCall, mod.Image = App, Function, FunctionCall, FakeImage
+        mod.enable_output = enable_output
         mod.Secret = types.SimpleNamespace(from_name=lambda name: ("secret", name))
         mod.Retries = lambda **kw: ("retries", kw)
         mod.exception = modal_exception
@@ -158,12 +184,29 @@ def fake_modal(monkeypatch: pytest.MonkeyPatch) -> FakeModal:
     return fake
 
 
+INSTALLED_METADATA = """Metadata-Version: 2.1
+Name: diloco-serverless
+Version: 0.1.0
+Provides-Extra: s3
+Provides-Extra: gcs
+Requires-Dist: torch>=2.7
+Requires-Dist: fsspec>=2024.6
+Requires-Dist: s3fs>=2024.6; extra == "s3"
+Requires-Dist: gcsfs>=2024.6; extra == "gcs"
+"""
+
+
 @pytest.fixture
 def installed_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Make the package look pip-installed from a wheel: site-packages holds no pyproject.toml."""
+    """Make the package look pip-installed from a wheel: site-packages holds the package and its
+    dist-info, no pyproject.toml."""
     package_dir = tmp_path / "site-packages" / "diloco_serverless"
     package_dir.mkdir(parents=True)
-    monkeypatch.setattr(modal_executor, "PACKAGE_DIR", package_dir)
+    (package_dir / "__init__.py").write_text('__version__ = "0.1.0"\n')
+    info = package_dir.parent / "diloco_serverless-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(INSTALLED_METADATA)
+    monkeypatch.setattr(_package, "PACKAGE_DIR", package_dir)
     return package_dir
 
 
@@ -180,8 +223,11 @@ def test_launch_builds_app_function_image_secrets_and_spawns(fake_modal: FakeMod
     assert opts["name"] == "run_replica" and opts["secrets"] == [("secret", "aws-creds")]
     assert opts["retries"] == ("retries", {"max_retries": 4, "backoff_coefficient": 2.0, "initial_delay": 10.0})
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    assert opts["image"].ops == [("debian_slim", py), ("pip_install", ("diloco-serverless[s3,gcs]==0.1.0",))]
+    # an installed (non-editable) package ships its own source too, with its installed requirements
+    assert opts["image"].ops == [("debian_slim", py), ("pip_install", ("torch>=2.7", "fsspec>=2024.6",
+                                 "s3fs>=2024.6", "gcsfs>=2024.6")), ("add_local_python_source", ("diloco_serverless",))]
     assert fake_modal.runs == [{"detach": True, "environment_name": None}]
+    assert fake_modal.runs_with_output == [True]  # modal.enable_output(): the first image build shows progress
 
     assert len(fake_modal.spawns) == 3
     for rank, (_, args, inside_run) in enumerate(fake_modal.spawns):
@@ -196,7 +242,7 @@ def test_launch_builds_app_function_image_secrets_and_spawns(fake_modal: FakeMod
 
 def test_poll_maps_get_outcomes_to_states(fake_modal: FakeModal) -> None:
     ex = ModalExecutor(gpu="A100", poll_interval_s=0.01)
-    handles = ex.launch_replicas(7, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    handles = ex.launch_replicas(10, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
     fake_modal.outcomes.update({
         "fc-1": {"rank": 1, "exit_code": 0},
         "fc-2": ReplicaProcessError("replica rank 2 exited with code 4; last output:\nboom"),
@@ -204,15 +250,35 @@ def test_poll_maps_get_outcomes_to_states(fake_modal: FakeModal) -> None:
         "fc-4": modal_exception.RemoteError("Input was cancelled by user"),
         "fc-5": modal_exception.OutputExpiredError(),
         "fc-6": modal_exception.InputCancellation(),
+        "fc-7": {"rank": 7, "exit_code": 2, "reason": "error: replica rank 7 of s3://b/r: RunNotFound: no run",
+                 "retried": False},
     })
+    fake_modal.graphs.update({"fc-0": "queued", "fc-8": "running", "fc-9": modal_exception.ConnectionError("x")})
     states = ex.poll(handles)
     assert [s.status for s in states] == [
-        ReplicaStatus.RUNNING, ReplicaStatus.SUCCEEDED, ReplicaStatus.FAILED, ReplicaStatus.FAILED,
-        ReplicaStatus.CANCELLED, ReplicaStatus.FAILED, ReplicaStatus.CANCELLED,
+        ReplicaStatus.PENDING, ReplicaStatus.SUCCEEDED, ReplicaStatus.FAILED, ReplicaStatus.FAILED,
+        ReplicaStatus.CANCELLED, ReplicaStatus.UNKNOWN, ReplicaStatus.CANCELLED, ReplicaStatus.FAILED,
+        ReplicaStatus.RUNNING, ReplicaStatus.UNKNOWN,
     ]
     assert states[2].exit_code == 4 and "ReplicaProcessError" in (states[2].reason or "")
-    assert "timed out" in (states[3].reason or "") and "expired" in (states[5].reason or "")
+    assert "timed out" in (states[3].reason or "")
+    # finding 5: an expired result is not a failure: unknown, deferring to the heartbeat, and ended
+    assert "no longer keeps its result" in (states[5].reason or "") and "heartbeat" in (states[5].reason or "")
+    assert states[5].ended and not states[5].terminal and states[5].to_json()["status"] == "unknown"
+    # a queued call is not running; a setup error returned by the remote function is failed, code 2
+    assert states[0].reason == "queued: waiting for a container" and not states[0].ended
+    assert states[7].exit_code == 2 and "setup error, not retried: error: replica rank 7" in (states[7].reason or "")
+    assert "queued or running" in (states[9].reason or "")
     assert set(fake_modal.get_timeouts) == {0}  # never blocks
+
+
+def test_collect_does_not_wait_forever_on_an_expired_result(fake_modal: FakeModal) -> None:
+    ex = ModalExecutor(gpu="A100", poll_interval_s=0.01)
+    handles = ex.launch_replicas(2, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    fake_modal.outcomes.update({"fc-0": {"exit_code": 0}, "fc-1": modal_exception.OutputExpiredError()})
+    with pytest.raises(ReplicaFailedError) as info:
+        ex.collect(handles, timeout=5)
+    assert "rank 1 unknown" in str(info.value) and [r.ok for r in info.value.results] == [True, False]
 
 
 def test_collect_names_failed_ranks_with_log_tail(fake_modal: FakeModal) -> None:
@@ -241,10 +307,13 @@ def test_cancel_and_poll_from_handles_in_another_executor(fake_modal: FakeModal)
 
 
 def test_deployed_app_uses_function_from_name(fake_modal: FakeModal) -> None:
+    """Finding 5: retries=0 overrides the deployed function's own policy (``retries=None`` would keep it)."""
     ex = ModalExecutor(gpu="L4", deployed_app="diloco-serverless", secrets=["aws"], retries=0, timeout_s=600)
     ex.launch_replicas(1, "m", ["--run-url", RUN_URL])
     assert fake_modal.from_name == [("diloco-serverless", "run_replica", {"environment_name": None})]
-    assert fake_modal.with_options == [{"gpu": "L4", "secrets": [("secret", "aws")], "timeout": 600, "retries": None}]
+    no_retries = ("retries", {"max_retries": 0, "backoff_coefficient": 2.0, "initial_delay": 10.0})
+    assert fake_modal.with_options == [{"gpu": "L4", "secrets": [("secret", "aws")], "timeout": 600,
+                                        "retries": no_retries}]
     assert not fake_modal.apps and not fake_modal.runs
 
 
@@ -265,7 +334,7 @@ def _image_ops(fake: FakeModal, **options: Any) -> list[tuple[str, Any]]:
 def test_default_image_ships_the_source_of_a_checkout(fake_modal: FakeModal, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     repo = REPO_ROOT  # this repository is a checkout (whatever CI imports)
-    monkeypatch.setattr(modal_executor, "PACKAGE_DIR", repo / "diloco_serverless")
+    monkeypatch.setattr(_package, "PACKAGE_DIR", repo / "diloco_serverless")
     assert modal_executor.source_checkout_root() == repo
     ops = _image_ops(fake_modal)
     assert ops[2] == ("add_local_python_source", ("diloco_serverless",))
@@ -276,9 +345,9 @@ def test_default_image_ships_the_source_of_a_checkout(fake_modal: FakeModal, tmp
     checkout = tmp_path / "checkout"
     (checkout / "diloco_serverless").mkdir(parents=True)
     (checkout / "pyproject.toml").write_text(
-        '[project]\nname = "Diloco_Serverless"\ndependencies = ["torch>=9"]\n'
+        '[project]\nname = "Diloco_Serverless"\nversion = "9.0"\ndependencies = ["torch>=9"]\n'
         '[project.optional-dependencies]\ns3 = ["s3fs>=9"]\ndev = ["moto[server]>=5; python_version>\'3\'"]\n')
-    monkeypatch.setattr(modal_executor, "PACKAGE_DIR", checkout / "diloco_serverless")
+    monkeypatch.setattr(_package, "PACKAGE_DIR", checkout / "diloco_serverless")
     ops = _image_ops(fake_modal, extras=("s3", "dev"))
     assert ops[1:] == [("pip_install", ("torch>=9", "s3fs>=9", "moto[server]>=5")),
                        ("add_local_python_source", ("diloco_serverless",))]
@@ -290,16 +359,34 @@ def test_default_image_ships_the_source_of_a_checkout(fake_modal: FakeModal, tmp
 
 
 @pytest.mark.parametrize("pyproject", [None, '[project]\nname = "other-project"\n', "not = = toml"])
-def test_default_image_pip_installs_outside_a_checkout(fake_modal: FakeModal, installed_wheel: Path,
-                                                       pyproject: str | None) -> None:
+def test_default_image_ships_the_source_of_an_installed_package(fake_modal: FakeModal, installed_wheel: Path,
+                                                               pyproject: str | None) -> None:
+    """Finding 2: outside a checkout (a wheel in site-packages, pipx, uv tool) the running source still
+    ships; pip-installing the published version is explicit (local_source=False or package=)."""
     if pyproject is not None:  # a foreign or broken pyproject.toml next to the package is no checkout
         (installed_wheel.parent / "pyproject.toml").write_text(pyproject)
     assert modal_executor.source_checkout_root() is None
-    assert _image_ops(fake_modal)[1:] == [("pip_install", ("diloco-serverless[s3,gcs]==0.1.0",))]
-    ops = _image_ops(fake_modal, local_source=True, extras=("s3",))  # forced: the installed metadata
-    assert ops[2] == ("add_local_python_source", ("diloco_serverless",)) and "s3fs>=2024.6" in ops[1][1]
+    ops = _image_ops(fake_modal)
+    assert ops[1:] == [("pip_install", ("torch>=2.7", "fsspec>=2024.6", "s3fs>=2024.6", "gcsfs>=2024.6")),
+                       ("add_local_python_source", ("diloco_serverless",))]
+    assert _image_ops(fake_modal, local_source="auto") == ops
+    assert _image_ops(fake_modal, extras=("s3",))[1][1] == ("torch>=2.7", "fsspec>=2024.6", "s3fs>=2024.6")
+    assert _image_ops(fake_modal, local_source=False)[1:] == [("pip_install", ("diloco-serverless[s3,gcs]==0.1.0",))]
     with pytest.raises(ExecutorUnavailable, match="local_source must be true, false or auto"):
         ModalExecutor(local_source="yes")
+
+
+def test_enable_output_and_its_expected_warning(fake_modal: FakeModal, installed_wheel: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Finding 4: the launch shows Modal's output (image build progress); the log-tail timeout warning
+    that a detached App always triggers is dropped, other Modal warnings are not."""
+    with caplog.at_level(logging.WARNING, logger="modal-client"):
+        ModalExecutor(gpu=None).launch_replicas(1, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+        logging.getLogger("modal-client").warning("something else")
+    assert fake_modal.runs_with_output == [True]
+    assert [r.getMessage() for r in caplog.records if r.name == "modal-client"] == ["something else"]
+    ModalExecutor(gpu=None, show_output=False).launch_replicas(1, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    assert fake_modal.runs_with_output == [True, False]
 
 
 def test_bad_configuration_fails_in_init(
@@ -331,6 +418,13 @@ def test_remote_function_runs_the_replica(capfd: pytest.CaptureFixture[str]) -> 
     assert "fake replica rank=2 attempt=0" in capfd.readouterr().out
     with pytest.raises(ReplicaProcessError, match=r"rank 1 exited with code 6(.|\n)*rank 1 fails with boom"):
         run_replica_process(1, FAKE_REPLICA, ["--exit-code", "6"], _fake_replica_env())
+
+
+def test_remote_function_returns_a_setup_error_so_modal_does_not_retry_it(capfd: pytest.CaptureFixture[str]) -> None:
+    """Finding 5: modal.Retries cannot be conditioned on the error, so exit code 2 ends the call normally."""
+    result = run_replica_process(1, FAKE_REPLICA, ["--exit-code", "2"], _fake_replica_env())
+    assert result == {"rank": 1, "exit_code": 2, "reason": "rank 1 fails with boom (exit 2)", "retried": False}
+    assert "[diloco] setup error (exit code 2), not retried: rank 1 fails with boom" in capfd.readouterr().out
 
 
 @pytest.mark.live

@@ -106,3 +106,11 @@ def test_run_record_from_json_dict_without_url_checks_the_pattern_only() -> None
     assert record.run_id == "run-x"
     with pytest.raises(InvalidRun, match="not a run id"):
         RunRecord.from_json_dict(json.loads(_record("a/b")), url="")
+
+
+def test_a_null_field_is_unknown_not_invalid() -> None:
+    """The trainer writes ``"loss": null`` in its final heartbeat; status must not call that malformed."""
+    from diloco_serverless.run.members import Heartbeat
+
+    hb = Heartbeat.from_json_dict({"rank": 0, "round": 3, "loss": None, "message": None, "state": "done"}, rank=0)
+    assert hb.loss is None and hb.invalid == {}

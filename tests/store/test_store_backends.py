@@ -304,3 +304,32 @@ def test_local_create_only_without_hard_links(file_store_url: str,
     assert os.listdir(file_store_url[len("file://"):]) == ["quorum.json"]
     store.delete("quorum.json")
     assert store.put_if_absent("quorum.json", b"again") is True
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_a_lost_create_response_resent_below_us_still_reads_as_ours(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """aiohttp (or botocore, or gcsfs) re-sends a PUT whose response was lost after the store acted;
+    the re-send gets 412 and the client raises FileExistsError without our retry ever firing. Before,
+    put_if_absent then returned False for the object this very call created (launch() raised RunExists
+    for its own run; every replica thought another one wrote final/)."""
+    url = request.getfixturevalue(f"{backend}_store_url")
+    options = request.getfixturevalue(f"{backend}_storage_options")
+    if backend == "gcs":
+        request.getfixturevalue("gcs_requests").enforce_generation_match = True
+    store = ObjectStore(url, options, retry=FAST)
+    store.exists("warm-up")
+    real = store.fs._pipe_file
+
+    async def write_then_resend(path: str, data: bytes, **kw: Any) -> Any:
+        await real(path, data, **kw)  # the store acts; the response is "lost"...
+        return await real(path, data, **kw)  # ...and the transport re-sends: 412 -> FileExistsError
+
+    store.fs._pipe_file = write_then_resend  # type: ignore[method-assign]
+    try:
+        assert store.put_if_absent("final/LOCK.json", b'{"rank": 1, "attempt": 0}') is True
+        assert store.put_if_absent("final/LOCK.json", b'{"rank": 2, "attempt": 0}') is False
+    finally:
+        del store.fs._pipe_file
+    assert store.get("final/LOCK.json") == b'{"rank": 1, "attempt": 0}'

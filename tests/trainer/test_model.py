@@ -101,3 +101,135 @@ def test_upload_and_download_through_a_store(memory_store_url: str, tmp_path: Pa
     assert AutoTokenizer.from_pretrained(local)("ab")["input_ids"] == [97, 98]
     with pytest.raises(FileNotFoundError, match="no model under"):
         download_pretrained(store, "missing", tmp_path / "x")
+
+
+# ---------------------------------------------------------------------------- your own model
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def _save_tiny_llama(folder: Path) -> None:
+    """A ~40k-parameter Llama with its own byte-level tokenizer (Llama-3-style special tokens, no pad
+    token) and chat template, written with save_pretrained: what a user's local model folder holds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from diloco_serverless.trainer.model import _gpt2_bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(_gpt2_bytes_to_unicode())}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    special = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    raw.add_special_tokens(special)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=special[0], eos_token=special[3])
+    tok.chat_template = LLAMA_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def test_a_local_llama_folder_trains_with_its_own_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    from test_train import _train
+
+    from support.diloco_harness import create_tiny_run, write_jsonl
+
+    folder = tmp_path / "my-llama"
+    _save_tiny_llama(folder)
+    model, tok = build_model(ModelConfig(name=str(folder), attn_implementation="eager"))
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config._attn_implementation == "eager"
+    assert tok.chat_template == LLAMA_TEMPLATE and tok.pad_token == tok.eos_token == "<|eot_id|>"
+    data = write_jsonl(tmp_path / "data.jsonl")
+    url = create_tiny_run(f"file://{tmp_path}/store", data, 1, rounds=2, **{
+        "model.name": f'"{folder}"', "model.attn_implementation": "eager", "data.seq_len": 96})
+    (result, trainer), = _train(url, [0]).values()
+    assert result.final_written and result.rounds == 2 and result.eval_loss is not None
+    text = tok.decode(trainer.data.next_batch()["input_ids"][0])
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\ndef f"), text
+    assert "<|start_header_id|>assistant<|end_header_id|>" in text, "the model's own chat template"
+    final = download_pretrained(ObjectStore(url), "final", tmp_path / "final")
+    loaded = AutoModelForCausalLM.from_pretrained(final)
+    assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.config.use_cache, "saved for generation"
+    assert AutoTokenizer.from_pretrained(final).chat_template == LLAMA_TEMPLATE
+    for name, tensor in trainer.rep.global_named_parameters().items():
+        assert torch.equal(dict(loaded.named_parameters())[name].detach(), tensor), name
+
+
+def test_attention_implementation_is_configurable() -> None:
+    sdpa, _ = build_model(ModelConfig(), seed=0)
+    eager, _ = build_model(ModelConfig(attn_implementation="eager"), seed=0)
+    assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    ids = torch.tensor([list(b"import os\nx = 1\n"), list(b"def f(y): pass\n\0")])
+    mask = torch.ones_like(ids)
+    mask[1, -1] = 0
+    torch.testing.assert_close(sdpa(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                               eager(input_ids=ids, attention_mask=mask).logits[mask.bool()], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ModelLoadError, match="model.attn_implementation='no_such_kernel'"):
+        build_model(ModelConfig(attn_implementation="no_such_kernel"))
+
+
+def test_gradient_checkpointing_gives_the_same_gradients() -> None:
+    plain, _ = build_model(ModelConfig(), seed=0)
+    ckpt_model, _ = build_model(ModelConfig(gradient_checkpointing=True), seed=0)
+    assert ckpt_model.is_activation_checkpointing and not plain.is_activation_checkpointing
+    ids = torch.tensor([list(b"def f(x):\n    return x + 1\n")] * 2)
+    for m in (plain, ckpt_model):
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt_model.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_precision_sets_the_parameter_dtype_and_training_turns_the_cache_off(tmp_path: Path) -> None:
+    from diloco_serverless.trainer.model import autocast
+
+    dtypes = {p: {q.dtype for q in build_model(ModelConfig(precision=p))[0].parameters()}
+              for p in ("fp32", "bf16-autocast", "bf16")}
+    assert dtypes == {"fp32": {torch.float32}, "bf16-autocast": {torch.float32}, "bf16": {torch.bfloat16}}
+    with autocast(ModelConfig(precision="bf16-autocast"), "cpu"):
+        assert torch.is_autocast_enabled("cpu")
+    with autocast(ModelConfig(precision="bf16"), "cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+    model, tok = build_model(ModelConfig())
+    assert model.config.use_cache is False, "training never reads a KV cache"
+    store = ObjectStore(f"file://{tmp_path}/store")
+    upload_pretrained(model, tok, store, "final")
+    assert store.get_json("final/config.json")["use_cache"] is True and model.config.use_cache is False
+
+
+def test_compile_compiles_the_model_and_the_reference_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.compile=true: nn.Module.compile on the trained model and on DPO's reference model (after
+    the reference was copied); torch.compile is replaced by a recorder here (compiling takes minutes
+    on a CPU), the step runs through the compiled call path."""
+    from diloco_serverless.trainer.loop import ReplicaTrainer, _Segment
+    from support.diloco_harness import create_tiny_run, write_jsonl
+
+    compiled: list[object] = []
+
+    def fake_compile(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        compiled.append(fn.__self__)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    data = write_jsonl(tmp_path / "data.jsonl")
+    url = create_tiny_run(f"file://{tmp_path}/store", data, 1, rounds=1, **{"model.compile": "true"})
+    trainer = ReplicaTrainer.from_run(url, 0)
+    ref = trainer.data.ref_model
+    assert compiled == [trainer.model, ref] and ref is not trainer.model
+    assert trainer.model._compiled_call_impl is not None
+    names = [n for n, _ in trainer.model.named_parameters()]
+    assert names and not any(n.startswith("_orig_mod") for n in names)
+    with trainer.rep:
+        trainer._inner_step(_Segment())
+    trainer.manager.shutdown()
+    compiled.clear()
+    plain = ReplicaTrainer.from_run(create_tiny_run(f"file://{tmp_path}/plain", data, 1, rounds=1), 0)
+    assert compiled == [] and plain.model._compiled_call_impl is None
+    plain.manager.shutdown()

@@ -86,6 +86,7 @@ def test_metrics_heartbeats_and_checkpoints(finished_run) -> None:
                     "bytes_up", "bytes_down", "participants"):
             assert key in m, key
         assert m["committed"] and m["participants"] == [0, 1] and m["bytes_up"] > 0 and m["tokens"] > 0
+        assert isinstance(m["data_wait_s"], float) and 0.0 <= m["data_wait_s"] <= m["wall_s"]
         assert m["sdpo_jsd"] > 0 and m["trace_replay_dpo"] > 0, "all three loss channels are live"
     evals = [m["round"] for m in metrics if "eval_loss" in m]
     assert evals == [1, 2], "rank 0 evaluates every eval_every=2 outer rounds and at the end"
@@ -108,6 +109,8 @@ def test_late_replica_heals_bit_identical(finished_run, tmp_path: Path, drop: st
     url, results = finished_run
     copy = tmp_path / "copy" / "run-test"
     shutil.copytree(url.removeprefix("file://"), copy)
+    for own in (copy / "checkpoints").glob("*/replica"):  # fresh: no state of its own (else it would
+        shutil.rmtree(own)  # re-train the rounds it took part in, see test_a_crashed_replica_resumes_exactly)
     if drop == "last_checkpoint":  # heal from round 1's checkpoint, replay round 2
         shutil.rmtree(copy / "checkpoints/00000002")
     else:  # replay every round from the initial parameters
@@ -316,3 +319,14 @@ def test_failed_cleanup_never_stops_a_replica(tmp_path: Path, monkeypatch: pytes
     assert failures and sum(t.prune_failures for _, t in results.values()) == 1
     _assert_equal(_globals(results[0][1]), _globals(results[1][1]))
     assert ckpt.complete_rounds(ObjectStore(url)) == [1, 2]  # the next checkpoint pruned what the failed one left
+
+
+def test_the_replica_uses_the_runs_store_deadline(tmp_path: Path) -> None:
+    """Before: every replica store operation had a fixed 300 s deadline whatever the config said."""
+    data = write_jsonl(tmp_path / "data.jsonl")
+    url = create_tiny_run(f"file://{tmp_path}/store", data, 2, store_timeout_s=7)
+    trainer = ReplicaTrainer.from_run(url, 0)
+    try:
+        assert trainer.store.retry.timeout_s == 7.0
+    finally:
+        trainer.manager.shutdown()

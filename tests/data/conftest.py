@@ -1,0 +1,67 @@
+"""Fixtures of the data tests: a tiny BPE tokenizer with a chat template, offline 🤗 datasets with a
+private cache, and a tiny causal LM for the tokenizer (records and folders: ``hf_records.py``).
+
+Nothing is downloaded: the tokenizer is trained on a few KB of text in the test, datasets are
+written to ``tmp_path``, and the datasets library runs offline with its cache in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hf_records import CHATML, EOS, sentence
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer() -> Any:
+    """A byte-level BPE (vocabulary 400) trained on a few KB, EOS = pad, ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = [sentence(rng, 12) + "." for _ in range(300)]
+    corpus += [f"Add {i} and {i + 1}. The sum is {2 * i + 1}." for i in range(50)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS)
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.fixture(scope="session")
+def bpe_model(bpe_tokenizer: Any) -> Any:
+    """A 2-layer Qwen2 with the BPE tokenizer's vocabulary (random init) for compose_loss."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=len(bpe_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, use_sliding_window=False,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+@pytest.fixture
+def hf_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """🤗 datasets offline, with its cache under ``tmp_path`` (nothing outside it is written)."""
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants as hub_constants
+
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True, raising=False)
+    yield cache
