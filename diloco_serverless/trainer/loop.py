@@ -227,6 +227,10 @@ class ReplicaTrainer:
         self.replayed = self.trained = 0
         self.abstentions = 0
         self.prune_failures = 0
+        #: Re-train (rather than replay) the stored rounds this rank took part in when it starts again
+        #: from a state it knows exactly (its own checkpointed state, or the run's start): the run then
+        #: ends with the same bits as without the restart. False: replay them (faster, not exact).
+        self.exact_resume = True
         self._note: str | None = None  # shown in the heartbeats of the round after an abstention
         self.last_eval: float | None = None
         self.metrics: list[dict[str, Any]] = []
@@ -339,7 +343,7 @@ class ReplicaTrainer:
                 self._restore_replica_state(*own)
             logger.info("rank %d: loaded checkpoint of round %d (step %d)%s", self.rank, latest, info.step,
                         " with this replica's own state" if own is not None else "")
-        elif latest is None and self.manager.current_step() == 0:
+        elif latest is None and self.manager.current_step() == 0 and self.exact_resume:
             # No checkpoint yet: this process starts from exactly the state the run started from
             # (stored initial parameters, a fresh optimizer, seeded RNG, data position 0), so rounds
             # this rank took part in are re-trained exactly, not replayed.

@@ -91,6 +91,7 @@ def test_bf16_late_replica_heals_bit_identical(bf16_run, tmp_path: Path) -> None
     for p in (copy / "checkpoints").glob("0*"):
         shutil.rmtree(p)
     trainer = ReplicaTrainer.from_run(f"file://{copy}", 1)
+    trainer.exact_resume = False  # replay, not re-training, is under test
     assert trainer.heal() == 2 and trainer.replayed == 2
     _assert_equal(_globals(trainer), _globals(results[0][1]))
     trainer.manager.shutdown()

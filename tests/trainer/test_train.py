@@ -117,6 +117,10 @@ def test_late_replica_heals_bit_identical(finished_run, tmp_path: Path, drop: st
         for p in (copy / "checkpoints").glob("0*"):
             shutil.rmtree(p)
     trainer = ReplicaTrainer.from_run(f"file://{copy}", 1)
+    if drop == "all_checkpoints":
+        # from the run's start a replica of a rank that took part re-trains its rounds exactly (see
+        # test_a_crashed_replica_resumes_exactly); here the replay path itself is under test
+        trainer.exact_resume = False
     gained = trainer.heal()
     assert gained == 3 and trainer.manager.current_step() == 3
     assert trainer.replayed == (1 if drop == "last_checkpoint" else 3)
@@ -330,3 +334,16 @@ def test_the_replica_uses_the_runs_store_deadline(tmp_path: Path) -> None:
         assert trainer.store.retry.timeout_s == 7.0
     finally:
         trainer.manager.shutdown()
+
+
+def test_a_replica_back_before_the_first_checkpoint_re_trains_its_rounds(finished_run, tmp_path: Path) -> None:
+    """With no checkpoint at all, a restarted replica knows its exact state (the run's start), so it
+    does not replay the rounds it took part in: the loop re-trains them, bit for bit."""
+    url, _ = finished_run
+    copy = tmp_path / "copy" / "run-test"
+    shutil.copytree(url.removeprefix("file://"), copy)
+    for p in (copy / "checkpoints").glob("0*"):
+        shutil.rmtree(p)
+    trainer = ReplicaTrainer.from_run(f"file://{copy}", 1)
+    assert trainer.heal() == 0 and trainer.manager.retrain_own_rounds
+    trainer.manager.shutdown()

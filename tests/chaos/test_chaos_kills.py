@@ -1,0 +1,77 @@
+"""(c) SIGKILLs at exact protocol steps, with checkpoint_every=1, each killed replica restarted like
+the local executor does (same rank, DILOCO_ATTEMPT + 1): the run succeeds with a complete final/ and
+every replica ends with the same global parameters — and, with exact resume (each checkpoint holds
+every replica's own state: inner optimizer, RNG, data position), the fault-free run's parameters.
+
+The kill moments are detected from the replicas' own requests at the proxy (support/chaos.py):
+before a replica's first contribution PUT, after the store stored its ready marker, at its
+create-only PUT of the reduced shard it owns, at its PUT of a checkpoint shard, and at the first
+PUT of a model file under final/ by whichever replica holds final/LOCK.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support.chaos import ANY_RANK, ChaosPlan, ChaosResult, run_chaos
+
+pytestmark = pytest.mark.slow
+
+#: One run, four kills on alternating ranks, every phase but the final write.
+EXCHANGE_AND_CHECKPOINT_KILLS = ChaosPlan(
+    seed=5,
+    kills=((1, "before_upload@0"), (0, "after_upload@1"), (1, "checkpoint@1"), (0, "owning_shard@2")),
+)
+
+
+@pytest.fixture(scope="module")
+def killed_run(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> ChaosResult:
+    return run_chaos(EXCHANGE_AND_CHECKPOINT_KILLS, Path(tmp_path_factory.mktemp("kills")), s3_server)
+
+
+def test_kills_during_exchange_and_checkpoint_the_run_succeeds(killed_run: ChaosResult) -> None:
+    result = killed_run
+    fired = [(k.rank, k.when) for k in result.kills if k.fired]
+    assert fired == [(r, w) for r, w in EXCHANGE_AND_CHECKPOINT_KILLS.kills], result.describe()
+    assert result.ok, result.describe()
+    assert all(codes[-1] == 0 and codes.count(-9) >= 1 for codes in result.exits.values()), result.exits
+    assert result.digest is not None, f"replicas differ after kills: {result.digests}"
+
+
+def test_kills_during_exchange_and_checkpoint_exact_resume(killed_run: ChaosResult, chaos_reference) -> None:
+    """EXACT RESUME: the killed-and-restarted run ends bit-identical to the run without kills."""
+    reference = chaos_reference(EXCHANGE_AND_CHECKPOINT_KILLS)
+    assert killed_run.ok, killed_run.describe()
+    assert killed_run.participants == reference.participants, "a round went on without a killed replica"
+    assert killed_run.digest == reference.digest, "the restarted replicas did not resume exactly"
+
+
+def test_kill_of_the_final_writer_still_completes_final(s3_server: str, chaos_reference, tmp_path: Path) -> None:
+    """The replica holding final/LOCK.json dies while uploading the model; its restart (or another
+    replica) must still complete final/ — not leave a lock that blocks every writer for 10 minutes."""
+    plan = ChaosPlan(seed=6, kills=((ANY_RANK, "final"),))
+    result = run_chaos(plan, tmp_path, s3_server)
+    assert result.kills[0].fired, result.describe()
+    assert all(codes[-1] == 0 for codes in result.exits.values()), result.describe()
+    assert result.final_done is not None, (
+        f"final/ incomplete after the final writer was killed: {result.final_files}\n{result.describe()}")
+    assert result.ok, result.describe()
+    assert result.digest == chaos_reference(plan).digest
+
+
+def test_replica_killed_in_round_0_and_back_after_it_closed_exact_resume(s3_server: str, chaos_reference,
+                                                                         tmp_path: Path) -> None:
+    """EXACT RESUME before the first checkpoint: rank 1 dies at its create-only PUT of the shard it owns
+    in round 0 and comes back only after rank 0 took that shard over and closed the round (restart
+    delay 12 s > takeover 5 s). No checkpoint exists yet, so the restarted replica must re-train round 0
+    from the initial state (fresh inner optimizer, seeded RNG, data position 0 — all known) rather than
+    replay it: replaying leaves its inner optimizer empty, and its later contributions differ."""
+    plan = ChaosPlan(seed=8, kills=((1, "owning_shard@0"),), restart_delay_s=12.0)
+    result = run_chaos(plan, tmp_path, s3_server)
+    assert result.kills[0].fired and result.ok, result.describe()
+    assert result.digest is not None, f"replicas differ: {result.digests}"
+    assert result.participants == chaos_reference(plan).participants
+    assert result.digest == chaos_reference(plan).digest, (
+        "the replica restarted before the first checkpoint replayed round 0 instead of re-training it")
