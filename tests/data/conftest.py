@@ -7,35 +7,19 @@ written to ``tmp_path``, and the datasets library runs offline with its cache in
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hf_records import CHATML, EOS, sentence
+
+from support.tiny_tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="session")
 def bpe_tokenizer() -> Any:
     """A byte-level BPE (vocabulary 400) trained on a few KB, EOS = pad, ChatML chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = random.Random(0)
-    corpus = [sentence(rng, 12) + "." for _ in range(300)]
-    corpus += [f"Add {i} and {i + 1}. The sum is {2 * i + 1}." for i in range(50)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS)
-    tok.chat_template = CHATML
-    return tok
+    return build_tokenizer()
 
 
 @pytest.fixture(scope="session")

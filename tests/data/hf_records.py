@@ -7,21 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-EOS = "<|endoftext|>"
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-WORDS = (
-    "the a model learns data from every replica while object stores carry averaged pseudo gradients between "
-    "rounds of inner steps and outer updates question answer add sum number colour blue red green because"
-).split()
-
-
-def sentence(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
+from support.tiny_tokenizer import sentence
 
 
 # ---------------------------------------------------------------------------------- records
