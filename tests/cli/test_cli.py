@@ -11,30 +11,11 @@ from typer.testing import CliRunner
 
 from diloco_serverless.cli.app import app
 from diloco_serverless.executors import registry
-from diloco_serverless.launcher import api, preflight
+from diloco_serverless.launcher import api
 from support import FIXTURES
-from support.fake_executor import FakeExecutor
+from support.fake_executor import FakeExecutor, use_fake_executor
 
 runner = CliRunner()
-
-
-@pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeExecutor:
-    """Every executor the CLI builds (for launch or from run.json) is this fake."""
-    ex = FakeExecutor()
-    use_fake(monkeypatch, ex)
-    return ex
-
-
-def use_fake(monkeypatch: pytest.MonkeyPatch, ex: FakeExecutor) -> None:
-    monkeypatch.setattr(preflight, "build_executor", lambda kind, gpu, options: ex)
-    monkeypatch.setattr(api, "executor_from_launch", lambda launch, run_url=None: (ex, None))
 
 
 def _runs(root: Path) -> list[str]:
@@ -259,7 +240,7 @@ def test_failed_rank_exits_non_zero_naming_it(workdir: Path, fake: FakeExecutor)
 
 def test_max_usd_cancels_before_budget(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ex = FakeExecutor(finish=False, usd_per_replica_hour=3600.0)  # $1 per replica-second
-    use_fake(monkeypatch, ex)
+    use_fake_executor(monkeypatch, ex)
     result = runner.invoke(app, ["launch", "--run-id", "r1", "--max-usd", "5", "--poll-interval", "0.2"])
     assert result.exit_code == 1
     assert "would exceed --max-usd 5.00" in result.stderr

@@ -54,12 +54,6 @@ class FakeHfApi:
 
 
 @pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-@pytest.fixture
 def hf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> type[FakeHfApi]:
     FakeHfApi.instances = []
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)

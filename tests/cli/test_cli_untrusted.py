@@ -22,7 +22,7 @@ from diloco_serverless.cli.app import app
 from diloco_serverless.launcher import api, preflight
 from diloco_serverless.run.layout import log_key, member_key, metrics_key
 from diloco_serverless.store.objectstore import ObjectStore
-from support.fake_executor import FakeExecutor
+from support.fake_executor import FakeExecutor, use_fake_executor
 
 runner = CliRunner()
 
@@ -30,24 +30,6 @@ runner = CliRunner()
 #: escape sequence, a colour escape, and a right-to-left override.
 EVIL = "[/] [link=http://evil]click[/link] \x1b]8;;http://evil\x1b\\here\x1b]8;;\x1b\\ \x1b[31mred\u202e"
 HF_TOKEN = "hf_abcdefghijklmnopqrstuvwxyzABCDEFGH"
-
-
-@pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeExecutor:
-    ex = FakeExecutor()
-    _use(monkeypatch, ex)
-    return ex
-
-
-def _use(monkeypatch: pytest.MonkeyPatch, ex: Any) -> None:
-    monkeypatch.setattr(preflight, "build_executor", lambda kind, gpu, options: ex)
-    monkeypatch.setattr(api, "executor_from_launch", lambda launch, run_url=None: (ex, None))
 
 
 def _launched(*args: str) -> str:
@@ -114,7 +96,7 @@ class _EvilLogs(FakeExecutor):
 
 def test_launch_summary_and_failed_log_tail_are_text(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A: the failed rank's log tail printed after an attached launch is text (markup and escapes inert)."""
-    _use(monkeypatch, _EvilLogs(fail_ranks=(2,)))
+    use_fake_executor(monkeypatch, _EvilLogs(fail_ranks=(2,)))
     result = runner.invoke(app, ["launch", "--run-id", "r1", "--poll-interval", "0.1"])
     assert result.exit_code == 1, result.output
     _assert_inert(result.output)

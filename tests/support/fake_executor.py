@@ -74,3 +74,11 @@ class FakeExecutor:
 
     def logs(self, handle: dict[str, Any], tail: int | None = None) -> str | None:
         return None  # the store's logs/rank-<r>.log is used instead
+
+
+def use_fake_executor(monkeypatch: Any, ex: Any) -> None:
+    """Make every executor the launcher builds (for launch, or from run.json) ``ex``."""
+    from diloco_serverless.launcher import api, preflight
+
+    monkeypatch.setattr(preflight, "build_executor", lambda kind, gpu, options: ex)
+    monkeypatch.setattr(api, "executor_from_launch", lambda launch, run_url=None: (ex, None))
