@@ -56,6 +56,10 @@ class ReplicaStatus(str, Enum):
     #: the platform cannot tell (e.g. Modal no longer keeps the call's result): callers defer to the
     #: replica's heartbeat in the store; ``reason`` says why
     UNKNOWN = "unknown"
+    #: the attempt ended on purpose before its platform's time cap, with its state saved in the store
+    #: (exit code :data:`CONTINUE_EXIT_CODE`); a fresh attempt of the rank must be started, and it
+    #: does not count as a retry. Not terminal: the replica is not done.
+    CONTINUE = "continue"
 
     @property
     def terminal(self) -> bool:
@@ -296,6 +300,15 @@ def _result_from_state(
 SETUP_ERROR_EXIT_CODE = 2
 #: The line a remote wrapper prints before ending a replica that exited with SETUP_ERROR_EXIT_CODE.
 SETUP_ERROR_MARKER = "[diloco] setup error (exit code 2), not retried"
+
+#: Exit code of a replica that stopped at a round boundary before its attempt's platform deadline
+#: (``DILOCO_ATTEMPT_DEADLINE``), after writing its state to the store (EX_TEMPFAIL). Executors start a
+#: fresh attempt of the rank for it, which does not count as a retry.
+CONTINUE_EXIT_CODE = 75
+#: Environment variable naming when the current attempt will be killed by its platform: a Unix time in
+#: seconds (float). Executors that know their platform's cap set it (or ``DILOCO_ATTEMPT_TIMEOUT_S``,
+#: seconds from the process start, which the replica turns into a deadline).
+ATTEMPT_DEADLINE_ENV, ATTEMPT_TIMEOUT_ENV = "DILOCO_ATTEMPT_DEADLINE", "DILOCO_ATTEMPT_TIMEOUT_S"
 
 #: Set in the environment of a replica that runs shipped code: the wheel's version (with its
 #: ``+src.<hash>`` label), SHA-256 and URL. The replica refuses to start (exit code 2) when the
