@@ -332,8 +332,13 @@ class ObjectStoreAllReduce:
             return decode_values(enc, self.codec, b - a)
 
         own = list(self._executor().map(one, range(self.world_size)))
+        self._before_ready(rs)
         io.put(ready_key(rs.r, self.rank), signed_json(self._run_key, "ready", asdict(rs.me)))
         return own
+
+    def _before_ready(self, rs: _Round) -> None:
+        """Hook between our contributions and our ready marker (a sliced exchange's leader waits
+        there for its sibling slices, see :mod:`diloco_serverless.exchange.sliced`)."""
 
     def _gather(self, rs: _Round, quorum: Quorum) -> torch.Tensor:
         """Reduce our shards, then collect every reduced shard (taking over dead owners' shards)."""

@@ -19,6 +19,7 @@ LATEST_CHECKPOINT_KEY = "checkpoints/latest.json"
 METRICS_PREFIX = "metrics"
 LOGS_PREFIX = "logs"
 FINAL_PREFIX = "final"
+SLICES_PREFIX = "slices"
 
 
 def _check_index(name: str, value: int, digits: int) -> None:
@@ -41,6 +42,16 @@ def fmt_shard(shard: int) -> str:
 def _rank(rank: int) -> str:
     _check_index("rank", rank, 6)
     return f"rank-{rank}"
+
+
+def slice_prefix(slice_: int) -> str:
+    """``slices/<slice:02d>``: the exchange of slice g of a multi-device replica (its own ``rounds/``).
+
+    A replica with G local processes (``parallel.devices``) splits every pseudo-gradient into G
+    slices; local rank g exchanges slice g under this prefix with local rank g of the other replicas.
+    """
+    _check_index("slice", slice_, 2)
+    return f"{SLICES_PREFIX}/{slice_:02d}"
 
 
 def round_prefix(round: int) -> str:
