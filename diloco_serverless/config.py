@@ -460,6 +460,35 @@ class ExchangeConfig(_Section):
     )
 
 
+#: How a replica's local processes share its work (``parallel.strategy``).
+ParallelStrategy = Literal["ddp", "fsdp"]
+
+
+class ParallelConfig(_Section):
+    """Devices per replica: a replica is a node of G devices (one local process each), DiLoCo between
+    replicas. Inside a replica the inner steps run data-parallel over the G processes; between
+    replicas local rank g exchanges slice g (1/G) of every pseudo-gradient (docs/executors.md)."""
+
+    devices: int = Field(
+        1, ge=1, le=64,
+        description="G: local processes (devices) per replica; the replica's batch is split over them.",
+    )
+    strategy: ParallelStrategy = Field(
+        "ddp", description="Inside a replica: 'ddp' (gradient all-reduce over the G processes). 'fsdp' is not "
+        "implemented yet.",
+    )
+
+    @field_validator("strategy")
+    @classmethod
+    def _fsdp_not_yet(cls, v: str) -> str:
+        if v == "fsdp":
+            raise ValueError(
+                "'fsdp' (FSDP2 sharding inside a replica) is not implemented yet; use 'ddp' (the model is "
+                "replicated on each device, the exchange and its bytes are still split over the devices)"
+            )
+        return v
+
+
 #: Experiment trackers ``tracking.backends`` may name (diloco_serverless.tracking; each an optional extra).
 TrackingBackend = Literal["trackio", "wandb", "tensorboard"]
 
@@ -632,6 +661,7 @@ class RunConfig(_Section):
     outer: OuterConfig = Field(default_factory=OuterConfig, description="[outer] section.")
     loss: LossConfig = Field(default_factory=LossConfig, description="[loss] section.")
     exchange: ExchangeConfig = Field(default_factory=ExchangeConfig, description="[exchange] section.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="[parallel] section.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="[tracking] section.")
     hub: HubConfig = Field(default_factory=HubConfig, description="[hub] section.")
 
@@ -655,6 +685,11 @@ class RunConfig(_Section):
             raise ValueError(
                 f"exchange.fragment_sync_delay ({self.exchange.fragment_sync_delay}) must be smaller than "
                 f"inner.sync_every / exchange.fragments ({h // f})"
+            )
+        if self.parallel.devices > 1 and self.exchange.error_feedback:
+            raise ValueError(
+                f"exchange.error_feedback is not supported with parallel.devices={self.parallel.devices} yet (each "
+                "device would keep its own residual); use exchange.codec='fp32' or parallel.devices=1"
             )
         _refuse_secrets(self.model_dump(mode="json"), "")
         return self

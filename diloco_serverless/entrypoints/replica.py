@@ -10,6 +10,10 @@ available), storage credentials/endpoints the standard way (``AWS_*``, ``DILOCO_
 the replica refuses to start unless the installed package it imports has that version.
 Everything else comes from the run's ``run.json``.
 
+A run with ``parallel.devices = G > 1`` makes this process start G local processes of itself, one
+per device, and watch them as one replica (:mod:`diloco_serverless.entrypoints.local_group`); each
+of those runs with ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` set and trains with the others.
+
 Exit codes: 0 success (or the run had already finished); 2 a problem found before training (bad
 run.json, rank outside the run, empty data shard, model/checkpoint mismatch, unreachable store),
 printed as one line ``error: ...``; 1 a failure during training (traceback in the log, one-line
@@ -26,6 +30,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from diloco_serverless.config import STORE_TIMEOUT_S
+from diloco_serverless.entrypoints.local_group import has_cuda_devices, run_local_group
 from diloco_serverless.errors import (
     CheckpointError,
     RunError,
@@ -34,6 +40,9 @@ from diloco_serverless.errors import (
 )
 from diloco_serverless.executors import _package
 from diloco_serverless.executors.base import CODE_VERSION_ENV
+from diloco_serverless.run.integrity import run_key_from_env
+from diloco_serverless.run.record import load_run
+from diloco_serverless.trainer.local_group import LOCAL_WORLD_SIZE_ENV
 
 __all__ = ["main"]
 
@@ -99,7 +108,17 @@ def _one_line(exc: BaseException) -> str:
 def _dump(trainer: object, folder: str, rank: int) -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
     params = trainer.rep.global_named_parameters()  # type: ignore[attr-defined]
-    save_file({k: v.contiguous() for k, v in params.items()}, str(Path(folder) / f"rank-{rank}.safetensors"))
+    local = trainer.local  # type: ignore[attr-defined]
+    name = f"rank-{rank}.safetensors" if local is None else f"rank-{rank}.local-{local.rank}.safetensors"
+    save_file({k: v.contiguous() for k, v in params.items()}, str(Path(folder) / name))
+
+
+def _devices_per_replica(run_url: str) -> int:
+    """``parallel.devices`` of the run (1 inside a local process: it is one device of its replica)."""
+    if os.environ.get(LOCAL_WORLD_SIZE_ENV):
+        return 1
+    _, record = load_run(run_url, None, key=run_key_from_env(), timeout_s=STORE_TIMEOUT_S)
+    return record.config.parallel.devices
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,20 +135,28 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.setLogRecordFactory(factory)
     try:
-        return _main(args, rank_text)
+        return _main(args, rank_text, list(sys.argv[1:] if argv is None else argv))
     finally:
         logging.setLogRecordFactory(old_factory)
 
 
-def _main(args: argparse.Namespace, rank_text: str) -> int:
+def _main(args: argparse.Namespace, rank_text: str, argv: list[str]) -> int:
     try:
         if not args.run_url:
             raise ValueError("no run URL: set DILOCO_RUN_URL or pass --run-url <store_url>/<run_id>")
         rank, attempt = _rank(args), _attempt()
         _check_shipped_code()
+        devices = _devices_per_replica(args.run_url)
+        if devices > 1:  # the parent only watches: it does not load torch
+            return run_local_group(argv, devices, cuda=args.device is None and has_cuda_devices())
+        import torch
+
+        from diloco_serverless.trainer.local_group import LocalGroup
         from diloco_serverless.trainer.loop import ReplicaTrainer
 
-        trainer = ReplicaTrainer.from_run(args.run_url, rank, attempt=attempt, device=args.device)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        local = LocalGroup.from_env(device)
+        trainer = ReplicaTrainer.from_run(args.run_url, rank, attempt=attempt, device=str(device), local=local)
     except KeyboardInterrupt:
         return 130
     except _SETUP_ERRORS as exc:

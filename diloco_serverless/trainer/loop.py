@@ -53,6 +53,7 @@ import torch
 from diloco_serverless.config import STORE_TIMEOUT_S, TRUST_REMOTE_CODE_ENV, RunConfig
 from diloco_serverless.data.builder import BatchBuilder, make_reference_model
 from diloco_serverless.errors import ConfigError, StoreError, one_line
+from diloco_serverless.exchange._io import shard_bounds
 from diloco_serverless.exchange.errors import AbstainedError
 from diloco_serverless.loss import LossComponents, TAIDScheduler, compose_loss, scored_tokens
 from diloco_serverless.run.integrity import RUN_KEY_ENV, run_key_from_env
@@ -72,8 +73,10 @@ from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.checkpoint import final_exists, write_final
 from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
+from diloco_serverless.trainer.local_group import LocalGroup
 from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
 from diloco_serverless.trainer.model import autocast, build_model, compile_model
+from diloco_serverless.trainer.sliced_manager import SlicedManager
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +178,8 @@ class ReplicaTrainer:
 
     def __init__(self, cfg: RunConfig, run_store: ObjectStore, rank: int, *, attempt: int = 0,
                  storage_options: dict[str, Any] | None = None, device: str | None = None,
-                 exchange_options: dict[str, Any] | None = None, run_key: bytes | None = None) -> None:
+                 exchange_options: dict[str, Any] | None = None, run_key: bytes | None = None,
+                 local: LocalGroup | None = None) -> None:
         if not 0 <= rank < cfg.replicas:
             raise ValueError(
                 f"rank {rank} is outside run {cfg.run_id} ({cfg.replicas} replicas: ranks 0..{cfg.replicas - 1}); "
@@ -183,6 +187,11 @@ class ReplicaTrainer:
             )
         self.cfg, self.store, self.rank, self.attempt = cfg, run_store, rank, attempt
         self.run_key = run_key  # signs and verifies everything this replica writes and reads
+        #: the replica's other local processes (parallel.devices > 1), None when this is its only one
+        self.local = local
+        self.local_rank = local.rank if local is not None else 0
+        #: local rank 0 speaks for the replica: heartbeats, metrics, evaluation, checkpoints, final/
+        self.leader = self.local_rank == 0
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.fragments = cfg.exchange.fragments
         self.total_rounds = cfg.rounds * self.fragments
@@ -245,6 +254,7 @@ class ReplicaTrainer:
         storage_options: dict[str, Any] | None = None,
         device: str | None = None,
         exchange_options: dict[str, Any] | None = None,
+        local: LocalGroup | None = None,
     ) -> ReplicaTrainer:
         """Load ``run.json`` at ``run_url`` and build rank ``rank``'s trainer (no training yet).
 
@@ -276,6 +286,7 @@ class ReplicaTrainer:
             device=device,
             exchange_options=exchange_options,
             run_key=run_key,
+            local=local,
         )
 
     def _build_manager(self, storage_options: dict[str, Any] | None, extra: dict[str, Any]) -> ObjectStoreManager:
@@ -284,7 +295,12 @@ class ReplicaTrainer:
         if ex.poll_interval_s is not None:
             opts.setdefault("poll_interval_s", ex.poll_interval_s)
         store_url, run_id = self.store.url.rsplit("/", 1)
-        return ObjectStoreManager(
+        if self.local is not None:
+            opts["local"] = self.local
+            manager_cls: type[ObjectStoreManager] = SlicedManager
+        else:
+            manager_cls = ObjectStoreManager
+        return manager_cls(
             store_url,
             self.rank,
             self.cfg.replicas,
@@ -330,6 +346,9 @@ class ReplicaTrainer:
         """Load the newest checkpoint newer than our state, then replay stored rounds; returns rounds gained."""
         before = self.manager.current_step()
         latest = ckpt.find_latest_checkpoint(self.store)
+        if self.local is not None:  # checkpoints complete while we look: the replica heals from one
+            latest = self.local.leader_int(-1 if latest is None else latest)
+            latest = None if latest < 0 else latest
         position: int | None = None
         if latest is not None and latest + 1 > self.manager.current_step():
             tensors, info = ckpt.load_checkpoint(self.store, latest, self.run_key)
@@ -433,7 +452,10 @@ class ReplicaTrainer:
         self._heartbeat(HEARTBEAT_HEALING)
         try:
             self.heal()  # raises CheckpointMismatch before any training if the checkpoint does not fit
-            if final_exists(self.store):
+            done = final_exists(self.store)
+            if self.local is not None:
+                done = bool(self.local.leader_int(int(done)))
+            if done:
                 logger.info("rank %d: run %s already finished (final/DONE.json exists)", self.rank, self.cfg.run_id)
                 self.manager.shutdown()
                 return TrainResult(self.rank, self.manager.current_step(), 0, self.replayed, False, self.last_eval)
@@ -513,15 +535,26 @@ class ReplicaTrainer:
         ``data.micro_batch_size`` rows under the model's precision; returns the batch's loss
         components (the micro-batches' shares summed: the same as one pass over the whole batch)."""
         kwargs = self.cfg.loss.compose_kwargs(taid_t=self.taid.t if self.taid else None)
-        parts = _micro_batches(batch, self.micro_batch)
+        size = self.micro_batch
+        if self.local is not None:  # at least one micro-batch per local process
+            size = min(size, -(-int(batch["input_ids"].shape[0]) // self.local.size))
+        parts = _micro_batches(batch, size)
         if len(parts) > 1:  # each micro-batch's loss is its share of the whole batch's mean
             kwargs.update(token_count=scored_tokens(batch), pair_count=float(batch["input_ids"].shape[0]))
+        if self.local is not None:  # this local process's consecutive share of the micro-batches
+            lo, hi = shard_bounds(len(parts), self.local.size)[self.local.rank]
+            parts = parts[lo:hi]
         comps: LossComponents | None = None
         for part in parts:
             with autocast(self.cfg.model, self.device):
                 out = compose_loss(self.model, part, validate=validate, **kwargs)
             out.total.backward()  # type: ignore[no-untyped-call]  # untyped in torch
             comps = out if comps is None else _add(comps, out)
+        if self.local is not None:  # DDP: the whole batch's gradient and loss on every local process
+            self.local.sum_gradients([p for p in self.model.parameters() if p.requires_grad])
+            mine = (torch.stack([getattr(comps, n).detach().float() for n in _COMPONENTS]) if comps is not None
+                    else torch.zeros(len(_COMPONENTS), device=self.device))
+            comps = LossComponents(*self.local.sum_(mine).unbind())
         assert comps is not None
         return comps
 
@@ -562,11 +595,12 @@ class ReplicaTrainer:
         outer_done = committed and self.manager.current_step() % self.fragments == 0
         outer_round = self.manager.current_step() // self.fragments
         eval_loss = None
-        if outer_done and self.rank == 0 and self._due(self.cfg.eval_every, outer_round):
+        if outer_done and self.rank == 0 and self.leader and self._due(self.cfg.eval_every, outer_round):
             self._heartbeat(HEARTBEAT_EVALUATING)
             eval_loss = self.evaluate()
         metrics = self._round_metrics(round_, seg, record, committed, wall, blocked, eval_loss)
-        write_metrics(self.store, self.rank, round_, metrics)
+        if self.leader:
+            write_metrics(self.store, self.rank, round_, metrics)
         self.metrics.append(metrics)
         self._heartbeat(HEARTBEAT_TRAINING, loss=metrics.get("total"))
         if outer_done and self._due(self.cfg.checkpoint_every, outer_round):
@@ -604,6 +638,7 @@ class ReplicaTrainer:
             "wait_s": blocked,
             "data_wait_s": self.data.reset_data_wait(),  # the inner loop waiting for batches
             "lr": self.inner.param_groups[0]["lr"],
+            "devices": self.local.size if self.local is not None else 1,  # bytes_* are one device's
         }
         if record is not None:
             out.update(
@@ -641,6 +676,11 @@ class ReplicaTrainer:
         """Write this rank's shard of the global checkpoint of the last round; prune what it makes obsolete."""
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
         round_ = self.manager.current_step() - 1
+        if not self.leader:  # the global state is the same on every local process: local rank 0 saves it
+            participants = record.participants if record and record.participants else [0]
+            if self.rank == min(participants):
+                self._prune(round_)
+            return
         own, doc = self._replica_state()
         ckpt.save_replica_state(self.store, round_, self.rank, own, doc, self.run_key)
         tensors, meta = self.rep.state_tensors()
@@ -666,8 +706,10 @@ class ReplicaTrainer:
         everything older than it) picks up what this one left."""
         try:
             keep = self.cfg.exchange.keep_rounds
-            if keep is not None:
+            if keep is not None:  # each local process prunes its own slice of the rounds
                 self.manager.prune(min(round_ + 1, self.manager.current_step() - keep))
+            if not self.leader:
+                return
             older = [r for r in ckpt.complete_rounds(self.store) if r < round_]
             if older:
                 ckpt.prune_checkpoints(self.store, older[-1])
@@ -680,7 +722,9 @@ class ReplicaTrainer:
         self.rep.reset_to_global()
         eval_loss = self.last_eval
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
-        written = write_final(self.store, self.model, self.tokenizer, rank=self.rank, attempt=self.attempt)
+        written = self.leader and write_final(
+            self.store, self.model, self.tokenizer, rank=self.rank, attempt=self.attempt
+        )
         self._heartbeat(HEARTBEAT_DONE)
         self.manager.shutdown()
         return TrainResult(
@@ -688,6 +732,8 @@ class ReplicaTrainer:
         )
 
     def _heartbeat(self, state: str, *, loss: float | None = None, message: str | None = None) -> None:
+        if not self.leader:
+            return
         if loss is not None and not math.isfinite(loss):
             loss = None
         hb = Heartbeat(

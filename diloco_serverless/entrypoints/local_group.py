@@ -1,0 +1,128 @@
+"""Start the G local processes of a multi-device replica and keep them one unit.
+
+When a run's ``parallel.devices`` is G > 1, ``python -m diloco_serverless.entrypoints.replica``
+(the *parent*) starts G copies of itself, one per device, with ``LOCAL_RANK=g``,
+``LOCAL_WORLD_SIZE=G``, ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (and
+``DILOCO_DEVICE=cuda:g`` on a CUDA machine unless a device was given), then waits:
+
+* all exit 0: the parent exits 0;
+* one exits non-zero or is killed (OOM, ``kill -9``): the parent stops the others (SIGTERM, then
+  SIGKILL after a grace period) and exits non-zero (2 when the child reported a setup error, 1
+  otherwise), so the executor restarts the replica as a unit and it heals from the store;
+* the parent gets SIGTERM/SIGINT (cancel): it forwards it to the children and exits with their code.
+
+On Linux each child also dies with the parent (``PR_SET_PDEATHSIG``), so no local process outlives
+its replica.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["child_env", "free_port", "has_cuda_devices", "run_local_group"]
+
+logger = logging.getLogger("diloco_serverless.replica")
+
+#: Seconds between SIGTERM and SIGKILL when the replica's other processes are stopped.
+STOP_GRACE_S = 5.0
+_POLL_S = 0.2
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the local group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def has_cuda_devices() -> bool:
+    """True when this machine has NVIDIA GPUs (their device files), without loading torch."""
+    return Path("/dev/nvidiactl").exists() and any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def child_env(base: Mapping[str, str], local_rank: int, size: int, port: int, *, cuda: bool) -> dict[str, str]:
+    """The environment of local process ``local_rank`` of ``size``."""
+    env = dict(base)
+    env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    if cuda and not base.get("DILOCO_DEVICE"):
+        env["DILOCO_DEVICE"] = f"cuda:{local_rank}"
+    return env
+
+
+def run_local_group(argv: Sequence[str], devices: int, *, cuda: bool, python: str | None = None,
+                    module: str = "diloco_serverless.entrypoints.replica") -> int:
+    """Run ``python -m module *argv`` as ``devices`` local processes; returns the replica's exit code."""
+    port = free_port()
+    cmd = [python or sys.executable, "-m", module, *argv]
+    children: list[subprocess.Popen[bytes]] = []
+    stopping: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        stopping.append(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for g in range(devices):
+            children.append(subprocess.Popen(cmd, env=child_env(os.environ, g, devices, port, cuda=cuda),
+                                             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        logger.info("replica runs as %d local processes (pids %s), rendezvous 127.0.0.1:%d", devices,
+                    [c.pid for c in children], port)
+        return _wait(children, stopping)
+    finally:
+        _stop(children)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _wait(children: list[subprocess.Popen[bytes]], stopping: list[int]) -> int:
+    while True:
+        codes = [c.poll() for c in children]
+        failed = [(g, code) for g, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            g, code = failed[0]
+            assert code is not None
+            if not stopping:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                print(f"error: local process {g} of this replica {how}; stopping the other "
+                      f"{len(children) - 1} and exiting so the replica restarts as a unit", file=sys.stderr)
+            _stop(children)
+            return 130 if stopping else (2 if code == 2 else 1)
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(_POLL_S)
+
+
+def _stop(children: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every live child, SIGKILL those still alive after :data:`STOP_GRACE_S`."""
+    live = [c for c in children if c.poll() is None]
+    for c in live:
+        c.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for c in live:
+        try:
+            c.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.kill()
+            c.wait()
