@@ -145,11 +145,12 @@ def replica_table(status: RunStatus) -> Table:
 def totals_line(status: RunStatus) -> str:
     """The run totals under the table, e.g. ``state running | round 3/10 | loss 4.2 | ...``."""
     gpu = f" ({status.gpu})" if status.gpu else ""
+    devices = f" | {status.devices_per_replica} devices per replica" if status.devices_per_replica > 1 else ""
     parts = [
         f"state {status.state}", f"round {_round_of(status)}", f"loss {fmt_loss(status.loss)}",
         f"eval loss {fmt_loss(status.eval_loss)}", f"moved {fmt_bytes(status.bytes_moved)}",
         f"elapsed {fmt_duration(status.elapsed_s)}",
-        f"est. spend {fmt_usd(status.est_usd)} on {status.executor or '?'}{gpu}",
+        f"est. spend {fmt_usd(status.est_usd)} on {status.executor or '?'}{gpu}{devices}",
     ]
     return " | ".join(parts)
 

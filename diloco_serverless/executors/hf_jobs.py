@@ -122,6 +122,15 @@ def label_value(value: str) -> str:
     return f"{clean[:_LABEL_MAX - 9].rstrip('-') or 'x'}-{digest}"
 
 
+def flavor_gpus(flavor: str) -> int | None:
+    """GPUs per job of a Jobs hardware flavor: ``"h100x8"`` -> 8, ``"a10g-largex2"`` -> 2, ``"a100-large"``
+    -> 1, ``"cpu-basic"`` -> None (the flavor names carry the count as an ``x<N>`` suffix)."""
+    if flavor.startswith("cpu"):
+        return None
+    m = re.search(r"x(\d+)$", flavor)
+    return int(m.group(1)) if m else 1
+
+
 class HFJobsExecutor:
     """Launch replicas as Hugging Face Jobs.
 
@@ -183,6 +192,9 @@ class HFJobsExecutor:
         if bad:
             raise ExecutorUnavailable(f"hf-jobs executor: extras must be plain names, got {bad}")
         self.flavor, self.image, self.timeout = flavor, image, timeout
+        #: GPUs of the flavor (``"h100x8"`` -> 8): the replica runs one local process per GPU
+        #: (``parallel.devices``, set from this by the launcher); None for a CPU flavor
+        self.devices_per_replica: int | None = flavor_gpus(flavor)
         self.retries, self.install, self.poll_interval_s = retries, install, poll_interval_s
         self.extras = tuple(extras)
         self._code_uploader: CodeUploader | None = None

@@ -99,6 +99,9 @@ class LocalProcessExecutor:
         restart_delay_s: pause before restarting a crashed replica.
         cancel_grace_s: time between SIGTERM and SIGKILL on cancel.
         poll_interval_s: how often ``collect`` polls.
+        devices_per_replica: run each replica as this many local CPU processes (sets the run's
+            ``parallel.devices``; the replica's batch and exchange are split over them). Default: the
+            config's ``parallel.devices``.
     """
 
     kind = "local"
@@ -112,9 +115,17 @@ class LocalProcessExecutor:
         restart_delay_s: float = 1.0,
         cancel_grace_s: float = 10.0,
         poll_interval_s: float = 0.5,
+        devices_per_replica: int | str | None = None,
     ) -> None:
         if retries < 0:
             raise ValueError(f"local executor: retries must be >= 0, got {retries}")
+        if devices_per_replica is not None:
+            text = str(devices_per_replica).strip()
+            if not text.isdigit() or not 1 <= int(text) <= 64:
+                raise ValueError("local executor: devices_per_replica must be an integer in 1..64 (local processes "
+                                 f"per replica), got {devices_per_replica!r}")
+            devices_per_replica = int(text)
+        self.devices_per_replica: int | None = devices_per_replica
         self.retries = retries
         self.log_dir = Path(log_dir).expanduser().resolve() if log_dir is not None else None
         self.python = python or sys.executable

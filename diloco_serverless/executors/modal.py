@@ -110,6 +110,14 @@ def normalize_gpu(gpu: str | None) -> str | None:
     return f"{canonical}:{count}" if sep else canonical
 
 
+def gpu_count(gpu: str | None) -> int | None:
+    """GPUs per replica of a canonical Modal GPU string (``"H100:8"`` -> 8, ``"H100"`` -> 1, None -> None)."""
+    if gpu is None:
+        return None
+    _, sep, count = gpu.partition(":")
+    return int(count) if sep else 1
+
+
 def ships_local_source(local_source: bool | None, package: str | None = None) -> bool:
     """Resolve ``local_source``: True/False as given; None (the default, "auto") ships the running
     package's source unless a ``package`` to pip-install is named."""
@@ -214,6 +222,9 @@ class ModalExecutor:
                 "or run `modal token new` (writes ~/.modal.toml)"
             )
         self.gpu = normalize_gpu(gpu)
+        #: GPUs per replica (``"H100:8"`` -> 8): the replica runs one local process per GPU
+        #: (``parallel.devices``, set from this by the launcher); None for a CPU-only container
+        self.devices_per_replica: int | None = gpu_count(self.gpu)
         if not 1 <= int(timeout_s) <= MAX_TIMEOUT_S:
             raise ExecutorUnavailable(f"modal executor: timeout_s must be in 1..{MAX_TIMEOUT_S}, got {timeout_s}")
         if not 0 <= retries <= MAX_RETRIES:

@@ -39,7 +39,7 @@ from diloco_serverless.executors.registry import executor_from_launch, executor_
 from diloco_serverless.launcher import pricing
 from diloco_serverless.launcher.hub import check_push_ready, push_final, tokens_trained
 from diloco_serverless.launcher.plot import as_number, curves, plot_losses
-from diloco_serverless.launcher.preflight import check_launch, check_max_usd, resolve_config
+from diloco_serverless.launcher.preflight import check_launch, check_max_usd, resolve_config, with_executor_devices
 from diloco_serverless.launcher.replicas import (
     executor_cancel,
     executor_logs,
@@ -244,6 +244,7 @@ class Run:
             rounds_total=self.config.rounds, replicas=replicas,
             state=run_state(replicas, self.config.effective_min_replicas), elapsed_s=elapsed,
             est_usd=est, eval_loss=eval_curve[-1][1] if eval_curve else None, final_url=final,
+            devices_per_replica=self.config.parallel.devices,
             failures=[(r.rank, r.reason or r.state) for r in replicas if r.state == FAILED],
         )
 
@@ -517,6 +518,7 @@ def launch(config: RunConfig | str | Path | None = None, executor: ServerlessExe
     check_extras(cfg)
     plan = check_launch(cfg, executor, gpu=gpu, executor_options=executor_options,
                         storage_options=storage_options, trust_remote_code=trust_remote_code, overwrite=overwrite)
+    cfg = with_executor_devices(cfg, plan.executor, plan.kind)
     if plan.leftovers:
         plan.root.delete(cfg.run_id, recursive=True)
     key_hex = new_run_key()

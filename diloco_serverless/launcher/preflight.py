@@ -278,6 +278,27 @@ def check_trust_remote_code(cfg: RunConfig, trust_remote_code: bool) -> None:
         )
 
 
+def with_executor_devices(cfg: RunConfig, executor: ServerlessExecutor, kind: str) -> RunConfig:
+    """``cfg`` with ``parallel.devices`` set to the devices the executor gives each replica (its
+    ``devices_per_replica``: the GPU count of ``--gpu H100:8`` or of an ``h100x8`` flavor, or
+    ``-x devices_per_replica=G`` for local processes). LaunchError when the config asks for another
+    count than the executor gives; ``cfg`` unchanged when the executor does not say."""
+    given = getattr(executor, "devices_per_replica", None)
+    want = cfg.parallel.devices
+    if not isinstance(given, int) or given == want:
+        return cfg
+    if want != 1:
+        how = "-x devices_per_replica" if kind == "local" else "the GPU count (--gpu TYPE:N / the flavor)"
+        raise LaunchError(
+            f"parallel.devices is {want} but the {kind} executor gives each replica {given} device(s); set "
+            f"parallel.devices={given} or change {how} to {want}"
+        )
+    try:
+        return cfg.with_overrides([f"parallel.devices={given}"])
+    except ConfigError as e:
+        raise LaunchError(f"{given} devices per replica do not fit this config: {one_line(str(e))}") from None
+
+
 def check_launch(cfg: RunConfig, executor: ServerlessExecutor | str, *, gpu: str | None = None,
                  executor_options: dict[str, Any] | None = None,
                  storage_options: dict[str, Any] | None = None,
@@ -293,7 +314,8 @@ def check_launch(cfg: RunConfig, executor: ServerlessExecutor | str, *, gpu: str
         if kind == "local" and options.get("secrets"):
             raise LaunchError("--secret is for modal and hf-jobs replicas; local replicas inherit your environment")
         if kind == "local":
-            check_local_capacity(cfg.replicas, oversubscribe=oversubscribe)
+            per = str(options.get("devices_per_replica") or cfg.parallel.devices).strip()
+            check_local_capacity(cfg.replicas * (int(per) if per.isdigit() else 1), oversubscribe=oversubscribe)
         built = build_executor(kind, gpu, options)
         gpu = getattr(built, "gpu", None) or getattr(built, "flavor", None) or gpu
     else:

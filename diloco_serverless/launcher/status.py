@@ -89,6 +89,9 @@ class RunStatus:
     eval_loss: float | None = None
     final_url: str | None = None
     failures: list[tuple[int, str]] = field(default_factory=list)
+    #: devices (local processes) per replica, ``parallel.devices``; the spend estimate counts each
+    #: (the executor's price is per replica, all its GPUs)
+    devices_per_replica: int = 1
 
     @property
     def round(self) -> int | None:
