@@ -12,8 +12,8 @@ replica moves.
 with none.
 
 * Slice 0 (local rank 0, the *leader*) forms the round's quorum as usual, but writes its ready
-  marker only after the ready markers of all its sibling slices exist: a replica that is in the
-  quorum has published every slice.
+  marker only after the ready markers of all its sibling slices exist (or the round's quorum was
+  formed without it meanwhile): a replica that is in the quorum has published every slice.
 * Slice g > 0 (a *follower*) publishes, then waits for slice 0's ``quorum.json`` and copies its
   participants into its own slice's ``quorum.json`` (create-only; every follower of the slice writes
   the same participants, the first create wins), with the participants' ready markers of slice g.
@@ -92,9 +92,13 @@ class SlicedAllReduce(ObjectStoreAllReduce):
             return
         waiting = set(range(1, self.slices))
         sleep_s = min(FIRST_POLL_S, self.poll_interval_s)
+        io = self._io
+        assert io is not None
         while waiting:
             waiting = {h for h in waiting if not self._slice_io[h].store.exists(ready_key(rs.r, self.rank))}
             if not waiting:
+                return
+            if io.store.exists(quorum_key(rs.r)):  # the round closed without us: we are late in every slice
                 return
             if time.monotonic() >= rs.deadline:
                 raise TimeoutError(
