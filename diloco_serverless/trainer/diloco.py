@@ -216,10 +216,11 @@ class DiLoCoReplica:
         if meta.get("fragments") != len(self.fragments):
             raise CheckpointMismatch(f"{source} has {meta.get('fragments')} fragments, this run uses "
                                      f"{len(self.fragments)}; keep exchange.fragments as in the run")
-        mine, _ = self.state_tensors()
+        mine = {  # the keys state_tensors() gives the global parameters (without reading optimizer state)
+            f"user/StreamingDiLoCoFragment_{frag._fragment_id}/original_parameters/{name}": t
+            for frag in self.diloco._fragments for name, t in frag.original_parameters.items()
+        }
         for key, tensor in mine.items():
-            if "/original_parameters/" not in key:
-                continue
             theirs = tensors.get(key)
             name = key.rsplit("/", 1)[-1].replace("__", ".")
             if theirs is None:

@@ -86,6 +86,13 @@ class LocalGroup:
         dist.broadcast(t, src=0, group=self.control_group)
         return int(t.item())
 
+    def flags_control(self, flag: bool) -> list[bool]:
+        """Every local process's ``flag``, by local rank (control group, the train loop's thread)."""
+        t = torch.tensor([int(flag)], dtype=torch.long)
+        out = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self.control_group)
+        return [bool(x.item()) for x in out]
+
     # ------------------------------------------------------------------ the exchange (exchange thread)
     def flags(self, flag: bool) -> list[bool]:
         """Every local process's ``flag``, by local rank (exchange group)."""
@@ -99,14 +106,15 @@ class LocalGroup:
         a, b = shard_bounds(flat.numel(), self.size)[self.rank]
         return flat.reshape(-1)[a:b]
 
-    def gather_slices(self, part: torch.Tensor, numel: int) -> torch.Tensor:
-        """The flat fp32 tensor of ``numel`` elements whose slice g is local rank g's ``part``."""
+    def gather_slices(self, part: torch.Tensor, numel: int, *, control: bool = False) -> torch.Tensor:
+        """The flat fp32 CPU tensor of ``numel`` elements whose slice g is local rank g's ``part``
+        (over the exchange group, or the control group from the train loop's thread)."""
         bounds = shard_bounds(numel, self.size)
         width = max(b - a for a, b in bounds)
         mine = torch.zeros(width, dtype=torch.float32)
-        mine[: part.numel()] = part.reshape(-1).to(torch.float32)
+        mine[: part.numel()] = part.reshape(-1).to(device="cpu", dtype=torch.float32)
         out = [torch.empty(width, dtype=torch.float32) for _ in range(self.size)]
-        dist.all_gather(out, mine, group=self.exchange_group)
+        dist.all_gather(out, mine, group=self.control_group if control else self.exchange_group)
         return torch.cat([o[: b - a] for o, (a, b) in zip(out, bounds)])
 
     def close(self) -> None:

@@ -77,6 +77,7 @@ from diloco_serverless.trainer.local_group import LocalGroup
 from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
 from diloco_serverless.trainer.model import autocast, build_model, compile_model
 from diloco_serverless.trainer.sliced_manager import SlicedManager
+from diloco_serverless.trainer.sliced_outer import shard_outer_optimizers
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ class ReplicaTrainer:
             nesterov=cfg.outer.nesterov,
         )
         keep_global_state_fp32(self.rep)
+        if local is not None:  # each local process keeps the outer momentum of its slice only
+            shard_outer_optimizers(self.rep, local)
         self.taid = self._build_taid()
         self.total_inner_steps = cfg.rounds * cfg.inner.sync_every  # what inner.schedule spans
         self.micro_batch = cfg.data.micro_batch_size or cfg.data.batch_size
@@ -676,14 +679,14 @@ class ReplicaTrainer:
         """Write this rank's shard of the global checkpoint of the last round; prune what it makes obsolete."""
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
         round_ = self.manager.current_step() - 1
-        if not self.leader:  # the global state is the same on every local process: local rank 0 saves it
+        tensors, meta = self.rep.state_tensors()  # every local process: the outer momentum is gathered
+        if not self.leader:  # the global state is then whole on every local process: local rank 0 saves it
             participants = record.participants if record and record.participants else [0]
             if self.rank == min(participants):
                 self._prune(round_)
             return
         own, doc = self._replica_state()
         ckpt.save_replica_state(self.store, round_, self.rank, own, doc, self.run_key)
-        tensors, meta = self.rep.state_tensors()
         ckpt.save_checkpoint(
             self.store,
             round_,

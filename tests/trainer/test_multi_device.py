@@ -17,6 +17,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
 from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.trainer import checkpoint as ckpt
 from support.diloco_harness import create_tiny_run, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -103,6 +104,12 @@ def test_every_process_of_every_replica_ends_identical_and_matches_one_device(ru
         torch.testing.assert_close(first[k], ref, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     initial = load_bytes(ObjectStore(f"file://{runs['root2']}").get("checkpoints/initial.safetensors"))
     assert any(not torch.equal(initial[k], first[k]) for k in first if k in initial), "the run trained"
+    # the outer momentum is sharded over the local processes, yet the checkpoint has the one-device format
+    stores = [ObjectStore(f"file://{runs[f'root{g}']}") for g in (1, 2)]
+    (t1, _), (t2, _) = (ckpt.load_checkpoint(st, ckpt.find_latest_checkpoint(st), None) for st in stores)
+    assert t1.keys() == t2.keys() and any("momentum_buffer" in k for k in t2)
+    for k in t1:
+        torch.testing.assert_close(t2[k], t1[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     # the final model is one Hugging Face folder, written once
     root2 = ObjectStore(f"file://{runs['root2']}")
     assert root2.exists("final/DONE.json") and root2.exists("final/config.json")
