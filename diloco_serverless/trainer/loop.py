@@ -298,8 +298,8 @@ class ReplicaTrainer:
         if ex.poll_interval_s is not None:
             opts.setdefault("poll_interval_s", ex.poll_interval_s)
         store_url, run_id = self.store.url.rsplit("/", 1)
-        if self.local is not None:
-            opts["local"] = self.local
+        if self.local is not None:  # the sharded outer step needs only this process's slice of the mean
+            opts.update(local=self.local, gather_result=False)
             manager_cls: type[ObjectStoreManager] = SlicedManager
         else:
             manager_cls = ObjectStoreManager

@@ -3,9 +3,11 @@
 Every local process of a replica holds the same model (the inner steps sum their gradients over the
 local group), so each hands DiLoCo's flat pseudo-gradient of a fragment to its manager. Local rank g
 exchanges only slice g of it (:class:`~diloco_serverless.exchange.sliced.SlicedAllReduce`, 1/G of
-the bytes), then the G reduced slices are all-gathered inside the replica, so every local process
-applies the same outer step to the same averaged pseudo-gradient and the global parameters stay
-identical on every process of every replica.
+the bytes). Either the G reduced slices are then all-gathered inside the replica, so every local
+process applies the same outer step to the same averaged pseudo-gradient, or (``gather_result=False``,
+what the trainer uses) each process keeps its slice of the mean, steps its slice of the global
+parameters (:mod:`diloco_serverless.trainer.sliced_outer`) and the updated slices are all-gathered.
+Either way the global parameters stay identical on every process of every replica.
 
 The replica decides as one: it abstains when any of its slices cannot contribute (one non-finite
 slice, or the loop's abstain reason), a round fails on all its processes when it fails on one, and a
@@ -30,8 +32,11 @@ __all__ = ["SlicedManager"]
 class SlicedManager(ObjectStoreManager):
     """:class:`ObjectStoreManager` for local rank ``local.rank`` of a replica of ``local.size`` processes.
 
-    Takes the arguments of :class:`ObjectStoreManager` (``allreduce`` excepted) plus ``local``.
-    ``ExchangeRecord`` bytes are this process's (one device's) bytes.
+    Takes the arguments of :class:`ObjectStoreManager` (``allreduce`` excepted) plus ``local`` and
+    ``gather_result``: with ``False`` the returned mean holds only this process's slice (zeros
+    elsewhere) and no all-gather is made, for an outer optimizer that steps only that slice
+    (:class:`~diloco_serverless.trainer.sliced_outer.SlicedOuterSGD`, which all-gathers the updated
+    parameters instead). ``ExchangeRecord`` bytes are this process's (one device's) bytes.
     """
 
     def __init__(
@@ -41,6 +46,7 @@ class SlicedManager(ObjectStoreManager):
         world_size: int,
         *,
         local: LocalGroup,
+        gather_result: bool = True,
         run_id: str,
         min_replicas: int | None = None,
         fragments: int = 1,
@@ -60,7 +66,7 @@ class SlicedManager(ObjectStoreManager):
         )
         super().__init__(url, rank, world_size, run_id=run_id, min_replicas=min_replicas, fragments=fragments,
                          max_retries=max_retries, allreduce=exchange)
-        self.local = local
+        self.local, self.gather_result = local, gather_result
 
     def _exchange(self, tensor: torch.Tensor, round_: int, residual_key: str, record: ExchangeRecord) -> torch.Tensor:
         part = self.local.slice_of(tensor)
@@ -84,7 +90,7 @@ class SlicedManager(ObjectStoreManager):
                 f"round {round_}: local process {failed.index(True)} of replica {self.rank} failed its slice of the "
                 "exchange (see its log); the replica drops the round as a whole"
             )
-        return self.local.gather_slices(reduced, tensor.numel()).view(tensor.shape).to(tensor.dtype)
+        return self._whole(reduced, tensor)
 
     def _read_round(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
         part_like = self.local.slice_of(like)
@@ -104,4 +110,12 @@ class SlicedManager(ObjectStoreManager):
         if not all(present):
             return None
         assert got is not None
-        return self.local.gather_slices(got, like.numel()).view(like.shape).to(like.dtype)
+        return self._whole(got, like)
+
+    def _whole(self, part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``like``-shaped: every slice gathered, or (``gather_result=False``) only ours, zeros elsewhere."""
+        if self.gather_result:
+            return self.local.gather_slices(part, like.numel()).view(like.shape).to(like.dtype)
+        out = torch.zeros(like.numel(), dtype=like.dtype)
+        self.local.slice_of(out).copy_(part.reshape(-1))
+        return out.view(like.shape)
