@@ -101,6 +101,12 @@ class LocalGroup:
         dist.all_gather(out, t, group=self.exchange_group)
         return [bool(x.item()) for x in out]
 
+    def sums(self, values: list[int]) -> list[int]:
+        """``values`` summed element-wise over the local processes (exchange group)."""
+        t = torch.tensor(values, dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.exchange_group)
+        return [int(v) for v in t.tolist()]
+
     def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This process's slice of a flat tensor (slice g of G, as :func:`shard_bounds` cuts it)."""
         a, b = shard_bounds(flat.numel(), self.size)[self.rank]

@@ -593,8 +593,9 @@ class ReplicaTrainer:
         wall = time.monotonic() - seg.start
         blocked = record.blocked_s if record else 0.0
         if record is not None:
-            self.bytes_up += record.bytes_up
-            self.bytes_down += record.bytes_down
+            up, down = record.replica_bytes or (record.bytes_up, record.bytes_down)
+            self.bytes_up += up  # the heartbeat counts the whole replica, all its devices
+            self.bytes_down += down
         outer_done = committed and self.manager.current_step() % self.fragments == 0
         outer_round = self.manager.current_step() // self.fragments
         eval_loss = None
@@ -648,6 +649,8 @@ class ReplicaTrainer:
                 exchange_s=record.exchange_s,
                 bytes_up=record.bytes_up,
                 bytes_down=record.bytes_down,
+                replica_bytes_up=(record.replica_bytes or (record.bytes_up, 0))[0],
+                replica_bytes_down=(record.replica_bytes or (0, record.bytes_down))[1],
                 participants=record.participants,
                 late=record.late,
                 error=record.error,

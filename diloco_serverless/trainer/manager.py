@@ -63,6 +63,8 @@ class ExchangeRecord:
     error: str | None = None
     failure: Exception | None = field(default=None, repr=False, compare=False)  # what ``error`` describes
     abstained: str | None = None  # why this replica did not contribute (non-finite loss or values)
+    #: a multi-device replica's bytes over all its local processes (bytes_up/down are this process's)
+    replica_bytes: tuple[int, int] | None = None
 
 
 class _TrackingFuture(torch.futures.Future):  # type: ignore[type-arg]

@@ -83,6 +83,8 @@ class SlicedManager(ObjectStoreManager):
         except Exception as exc:  # the whole replica fails the round together (below)
             failure, reduced = exc, torch.zeros_like(part)
         failed = self.local.flags(failure is not None)
+        up, down = self.local.sums([record.bytes_up, record.bytes_down])
+        record.replica_bytes = (up, down)
         if failure is not None:
             raise failure
         if any(failed):
