@@ -1,0 +1,76 @@
+"""entrypoints/local_group.py: the G local processes of a replica live and die as one unit
+(real subprocesses of a stand-in child, tests/support/local_child.py; no torch, fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco_serverless.entrypoints.local_group import run_local_group
+from support import pythonpath_env
+
+
+def _run(tmp_path: Path, plan: str, monkeypatch: pytest.MonkeyPatch, *, cuda: bool = False) -> tuple[int, list[dict]]:
+    monkeypatch.setenv("PYTHONPATH", pythonpath_env())
+    monkeypatch.setenv("LOCAL_CHILD_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_CHILD_PLAN", plan)
+    monkeypatch.delenv("DILOCO_DEVICE", raising=False)
+    code = run_local_group(["--run-url", "x"], len(plan.split(",")), cuda=cuda, module="support.local_child")
+    records = [json.loads((tmp_path / f"{g}.json").read_text()) for g in range(len(plan.split(",")))]
+    return code, records
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_all_local_processes_start_with_their_rank_and_one_rendezvous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, records = _run(tmp_path, "ok,ok,ok", monkeypatch, cuda=True)
+    assert code == 0
+    assert [r["LOCAL_RANK"] for r in records] == ["0", "1", "2"]
+    assert {r["LOCAL_WORLD_SIZE"] for r in records} == {"3"} and {r["MASTER_ADDR"] for r in records} == {"127.0.0.1"}
+    assert len({r["MASTER_PORT"] for r in records}) == 1 and records[0]["MASTER_PORT"].isdigit()
+    assert [r["DILOCO_DEVICE"] for r in records] == ["cuda:0", "cuda:1", "cuda:2"]  # one device each
+    assert all(r["argv"] == ["--run-url", "x"] for r in records)
+
+
+def test_a_failing_local_process_stops_the_others_and_fails_the_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started = time.monotonic()
+    code, records = _run(tmp_path, "hang,exit3", monkeypatch)
+    assert code == 1  # non-zero: the executor restarts the whole replica
+    assert time.monotonic() - started < 30, "the hanging sibling was stopped, not waited for"
+    assert not _alive(records[0]["pid"])
+    assert "local process 1 of this replica exited with code 3" in capsys.readouterr().err
+    assert records[0]["DILOCO_DEVICE"] is None  # CPU: no device assigned
+
+
+def test_a_setup_error_of_a_local_process_is_the_replicas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    code, _ = _run(tmp_path, "exit2,hang", monkeypatch)
+    assert code == 2  # a setup error (exit code 2) is not retried by the executors
+
+
+def test_a_killed_local_process_fails_the_replica(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+    import threading
+
+    def kill_rank_1() -> None:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "1.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(json.loads((tmp_path / "1.json").read_text())["pid"], signal.SIGKILL)
+
+    threading.Thread(target=kill_rank_1, daemon=True).start()
+    code, records = _run(tmp_path, "hang,hang", monkeypatch)
+    assert code == 1 and not any(_alive(r["pid"]) for r in records)
