@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -82,7 +83,8 @@ def run_local_group(argv: Sequence[str], devices: int, *, cuda: bool, python: st
             if child.poll() is None:
                 child.send_signal(signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    in_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)} if in_main else {}
     try:
         for g in range(devices):
             children.append(subprocess.Popen(cmd, env=child_env(os.environ, g, devices, port, cuda=cuda),

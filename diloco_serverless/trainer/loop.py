@@ -24,6 +24,15 @@ What every executor runs (through ``python -m diloco_serverless.entrypoints.repl
 4. The end: the global model in Hugging Face format under ``<run>/final/`` (one writer, create-only
    lock, ``final/DONE.json`` marker) — see :func:`diloco_serverless.trainer.checkpoint.write_final`.
 
+A multi-device replica (``parallel.devices = G > 1``) is G such trainers, one per local process
+(:class:`~diloco_serverless.trainer.local_group.LocalGroup`): each trains its share of every
+batch's micro-batches and the gradients are summed over the G processes (data parallel, the same
+global batch as G = 1); the exchange and the outer step are split into G slices
+(:mod:`~diloco_serverless.trainer.sliced_manager`, :mod:`~diloco_serverless.trainer.sliced_outer`);
+local rank 0 writes the heartbeats, metrics, checkpoints and ``final/`` for the replica, and the
+decisions read from the store while others write it (the newest checkpoint, whether the run is
+finished) are local rank 0's.
+
 The inner step reads no tensor value into Python (on a GPU: no host-device sync), except once per
 exchange round: the round's first batch is validated, the loss components and token counts are
 accumulated on the device and read for the metrics, and a non-finite loss is recorded on the
@@ -642,15 +651,16 @@ class ReplicaTrainer:
             "wait_s": blocked,
             "data_wait_s": self.data.reset_data_wait(),  # the inner loop waiting for batches
             "lr": self.inner.param_groups[0]["lr"],
-            "devices": self.local.size if self.local is not None else 1,  # bytes_* are one device's
+            "devices": self.local.size if self.local is not None else 1,
         }
         if record is not None:
             out.update(
                 exchange_s=record.exchange_s,
-                bytes_up=record.bytes_up,
-                bytes_down=record.bytes_down,
-                replica_bytes_up=(record.replica_bytes or (record.bytes_up, 0))[0],
-                replica_bytes_down=(record.replica_bytes or (0, record.bytes_down))[1],
+                # the replica's bytes (all its devices); device_bytes_*: this process's (one device's)
+                bytes_up=(record.replica_bytes or (record.bytes_up, 0))[0],
+                bytes_down=(record.replica_bytes or (0, record.bytes_down))[1],
+                device_bytes_up=record.bytes_up,
+                device_bytes_down=record.bytes_down,
                 participants=record.participants,
                 late=record.late,
                 error=record.error,
