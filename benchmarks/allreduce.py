@@ -1,10 +1,19 @@
-"""Bytes and wall time of ObjectStoreAllReduce vs the naive exchange, over file:// and moto S3.
+"""Bytes and wall time of ObjectStoreAllReduce vs the naive exchange, over file://, moto S3 and moto
+behind the real-store emulator.
 
 Run (from the repo root, venv active):
 
     python benchmarks/allreduce.py --quick      # subset: P=16 MB, fp32 + int8, N in {4, 8}  (~2-4 min)
     python benchmarks/allreduce.py              # full: N in {2,4,8}, P in {16,64} MB (+256 MB on file://),
                                                 #       codecs fp32/bf16/int8, both back ends
+    python benchmarks/allreduce.py --backends s3 --preset s3-standard --scale 0.005 --ns 8 --sizes 64,256 \
+        --codecs fp32 --repeat 1                # moto S3 and moto behind tests/support/store_emulator.py
+
+``--preset NAME`` (``s3-standard``, ``gcs-standard``, ``r2``: tests/support/store_presets.py) adds a
+back end: moto behind the shaping proxy, which applies the preset's first-byte latency, per-connection
+and per-client bandwidth and per-prefix request rates, all multiplied by ``--scale`` (latencies divided).
+Its rows also show the **physical limit**: the lower-bound bytes of a replica over the per-client cap,
+plus four first-byte medians (publish, quorum, reduce, gather), at the same scale.
 
 Prints a table and writes benchmarks/results/allreduce.json.
 
@@ -56,7 +65,15 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.store_emulator import StoreEmulator  # noqa: E402
+from support.store_presets import PRESETS, StorePreset  # noqa: E402
+
 MB = 1 << 20
+#: Deadline of one store operation in the benchmark: a slowed-down preset moves big objects slowly.
+STORE_TIMEOUT_S = 1800.0
+#: Round trips no exchange design avoids: publish, quorum, reduce, gather.
+ROUND_TRIPS = 4
 INT8_BYTES_PER_ELEM = 1 + 4 / 256
 CODEC_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": INT8_BYTES_PER_ELEM}
 RESULTS = Path(__file__).with_name("results") / "allreduce.json"
@@ -174,21 +191,24 @@ def naive_allreduce(store: Any, rank: int, n: int, prefix: str, x: torch.Tensor,
 
 
 def replica_main(
-    rank: int, n: int, url: str, options: dict[str, Any], cases: list[Case], barrier: Any, queue: Any
+    rank: int, n: int, url: str, options: dict[str, Any], cases: list[Case], barrier: Any, queue: Any,
+    part: tuple[float, int] | None = None,
 ) -> None:
     """One replica process: runs every case in lockstep with the others (barriers)."""
     from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
     from diloco_serverless.store.objectstore import ObjectStore
+    from diloco_serverless.store.retry import RetryPolicy
 
     torch.set_num_threads(1)
     opts = (
-        {**options, "config_kwargs": {"user_agent_extra": f"bench-rank-{rank}"}}
+        {**options, "config_kwargs": {**options.get("config_kwargs", {}), "user_agent_extra": f"bench-rank-{rank}"}}
         if url.startswith("s3")
         else dict(options)
     )
-    if url.startswith("s3"):
-        opts["max_concurrency"] = 1  # as ObjectStoreAllReduce does for its own store: no HEAD before each GET
-    store = ObjectStore(url, opts or None)
+    from diloco_serverless.store.objectstore import TransferPolicy
+
+    transfer = TransferPolicy.from_mb(*part) if part else None  # the exchange uses this store's policy
+    store = ObjectStore(url, opts or None, retry=RetryPolicy(timeout_s=STORE_TIMEOUT_S), transfer=transfer)
     for i, case in enumerate(cases):
         x = torch.randn(case.p_mb * MB // 4, generator=torch.Generator().manual_seed(1000 * case.p_mb + rank))
         ar = ObjectStoreAllReduce(
@@ -243,11 +263,12 @@ def run_group(
     options: dict[str, Any],
     counter: CountingWSGI | None,
     cleanup: Any,
+    part: tuple[float, int] | None = None,
 ) -> list[dict[str, Any]]:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "s3fs", "diloco_serverless.exchange.allreduce", "diloco_serverless.store"])
     barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
-    procs = [ctx.Process(target=replica_main, args=(r, n, url, options, cases, barrier, queue)) for r in range(n)]
+    procs = [ctx.Process(target=replica_main, args=(r, n, url, options, cases, barrier, queue, part)) for r in range(n)]
     for p in procs:
         p.start()
     rows = []
@@ -275,7 +296,7 @@ def run_group(
 
 
 def summarise(case: Case, per_rank: list[dict[str, Any]], server: dict[int, list[int]]) -> dict[str, Any]:
-    if case.backend == "s3":
+    if case.backend != "file":
         ups = [server.get(d["rank"], [0, 0, 0])[0] for d in per_rank]
         downs = [server.get(d["rank"], [0, 0, 0])[1] for d in per_rank]
         requests = [server.get(d["rank"], [0, 0, 0])[2] for d in per_rank]
@@ -303,27 +324,37 @@ def summarise(case: Case, per_rank: list[dict[str, Any]], server: dict[int, list
 
 
 HEADER = (
-    f"{'backend':7} {'N':>2} {'P MB':>5} {'codec':5} {'method':7} {'up MB':>8} {'down MB':>8} "
+    f"{'backend':12} {'N':>2} {'P MB':>5} {'codec':5} {'method':7} {'up MB':>8} {'down MB':>8} "
     f"{'LB MB':>8} {'ratio':>6} {'wall s':>7} {'same':>4}"
 )
 
 
 def print_row(r: dict[str, Any], flush: bool = False) -> None:
     print(
-        f"{r['backend']:7} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} {r['method']:7} "
+        f"{r['backend']:12} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} {r['method']:7} "
         f"{r['up_mb']:>8.1f} {r['down_mb']:>8.1f} {r['lower_bound_mb']:>8.1f} {r['ratio']:>6.3f} "
         f"{r['wall_s']:>7.2f} {'yes' if r['identical_across_ranks'] else 'NO':>4}",
         flush=flush,
     )
 
 
-def plan(quick: bool, backends: list[str], repeat: int) -> list[Case]:
-    """Cases in run order; each (sharded, naive) pair is repeated ``repeat`` times, interleaved."""
+def physical_limit_s(preset: StorePreset, scale: float, lower_bound_bytes: float) -> float:
+    """What no exchange can beat on ``preset`` (at ``scale``): a replica's lower-bound bytes through its
+    per-client cap, plus :data:`ROUND_TRIPS` first-byte medians."""
+    return lower_bound_bytes / (preset.client_mb_s * 1e6 * scale) + ROUND_TRIPS * preset.first_byte_ms / 1000 / scale
+
+
+def plan(quick: bool, backends: list[str], repeat: int, ns_: list[int] | None = None,
+         sizes_: list[int] | None = None, codecs_: list[str] | None = None) -> list[Case]:
+    """Cases in run order; each (sharded, naive) pair is repeated ``repeat`` times, interleaved.
+    ``ns_``, ``sizes_``, ``codecs_`` replace the defaults when given."""
     cases = []
     for backend in backends:
-        ns = [4, 8] if quick else [2, 4, 8]
-        sizes = [16] if quick else ([16, 64, 256] if backend == "file" else [16, 64])
-        codecs = ["fp32", "int8"] if quick else ["fp32", "bf16", "int8"]
+        ns = [4, 8] if quick else ([8] if backend in PRESETS else [2, 4, 8])
+        sizes = [16] if quick else ([16, 64, 256] if backend == "file" else [64, 256] if backend in PRESETS
+                                    else [16, 64])
+        codecs = ["fp32", "int8"] if quick else (["fp32"] if backend in PRESETS else ["fp32", "bf16", "int8"])
+        ns, sizes, codecs = ns_ or ns, sizes_ or sizes, codecs_ or codecs
         for n in ns:
             for p in sizes:
                 for c in codecs:
@@ -372,6 +403,11 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     out["speedup_s3_n8_min"] = min(speed) if speed else None
     out["speedups_s3_n8"] = speed
+    for r in sh:  # issue 15: against the emulated store's physical limit, and against naive
+        if r["backend"] in PRESETS and (r["backend"], r["n"], r["p_mb"], r["codec"]) in naive:
+            tag = f"{r['backend']}_n{r['n']}_{r['p_mb']}mb_{r['codec']}"
+            out[f"{tag}_wall_over_limit"] = r["wall_s"] / r["physical_limit_s"]
+            out[f"{tag}_speedup"] = naive[(r["backend"], r["n"], r["p_mb"], r["codec"])] / r["wall_s"]
     out["fp32_sharded_equals_naive"] = all(
         r["digest"] == n["digest"]
         for r in sh
@@ -386,12 +422,28 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="subset: P=16 MB, fp32+int8, N in {4,8}")
-    ap.add_argument("--backends", default="file,s3", help="comma-separated subset of file,s3")
+    ap.add_argument("--backends", default="file,s3", help="comma-separated subset of file,s3 ('' for none)")
+    ap.add_argument("--preset", action="append", default=[], choices=sorted(PRESETS),
+                    help="also run on moto behind the store emulator with this preset (repeatable)")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="emulator speed factor: latencies / scale, bandwidths and request rates * scale")
+    ap.add_argument("--part-size-mb", type=float, default=None,
+                    help="TransferPolicy part size of the replicas' store (MiB; default: the store's, 16)")
+    ap.add_argument("--part-concurrency", type=int, default=8, help="parts of one object in flight (default 8)")
+    ap.add_argument("--ns", default="", help="comma-separated replica counts (default per back end)")
+    ap.add_argument("--sizes", default="", help="comma-separated payload sizes in MB (default per back end)")
+    ap.add_argument("--codecs", default="", help="comma-separated codecs (default per back end)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
-    backends = [b for b in args.backends.split(",") if b]
-    cases = plan(args.quick, backends, args.repeat)
+    if not args.scale > 0:
+        ap.error(f"--scale must be > 0, got {args.scale}")
+    backends = [b for b in args.backends.split(",") if b] + list(dict.fromkeys(args.preset))
+    ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    cases = plan(args.quick, backends, args.repeat, ints(args.ns), ints(args.sizes),
+                 [c for c in args.codecs.split(",") if c])
+    moto: tuple[str, CountingWSGI, Any] | None = None
+    emulators: list[StoreEmulator] = []
     rows: list[dict[str, Any]] = []
     print(HEADER, flush=True)
     for backend in backends:
@@ -405,25 +457,40 @@ def main() -> int:
             os.environ.setdefault(
                 "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE", str(1 << 30)
             )  # keep objects in RAM, like a real server's cache
-            endpoint, counter, server = start_moto()
-            os.environ.update(
-                AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
-            )
+            if moto is None:
+                moto = start_moto()
+                os.environ.update(
+                    AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
+                )
+            endpoint, counter, _server = moto
             s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-            s3.create_bucket(Bucket="bench")
-            url = "s3://bench"
+            bucket = "bench" if backend == "s3" else f"bench-{backend}"
+            s3.create_bucket(Bucket=bucket)
+            url = f"s3://{bucket}"
+            target = endpoint
+            if backend in PRESETS:  # the replicas talk to the emulator; cleanup goes to moto directly
+                emulators.append(StoreEmulator(endpoint, PRESETS[backend], scale=args.scale, seed=1).start())
+                target = emulators[-1].url
             options = {
-                "endpoint_url": endpoint,
+                "endpoint_url": target,
                 "key": "testing",
                 "secret": "testing",
                 "client_kwargs": {"region_name": "us-east-1"},
+                "config_kwargs": {"read_timeout": STORE_TIMEOUT_S},
             }
-            cleanup = lambda run, s3=s3: _s3_delete_prefix(s3, "bench", run + "/")  # noqa: E731
+            cleanup = lambda run, s3=s3, b=bucket: _s3_delete_prefix(s3, b, run + "/")  # noqa: E731
         for n in sorted({c.n for c in cases if c.backend == backend}):
             rows += run_group(
-                backend, n, [c for c in cases if c.backend == backend and c.n == n], url, options, counter, cleanup
+                backend, n, [c for c in cases if c.backend == backend and c.n == n], url, options, counter, cleanup,
+                (args.part_size_mb, args.part_concurrency) if args.part_size_mb else None,
             )
+    for emu in emulators:
+        emu.stop()
     rows = merge_repeats(rows)
+    for r in rows:
+        if r["backend"] in PRESETS:
+            r["scale"] = args.scale
+            r["physical_limit_s"] = physical_limit_s(PRESETS[r["backend"]], args.scale, r["lower_bound_mb"] * MB)
     result = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -432,6 +499,10 @@ def main() -> int:
             "platform": platform.platform(),
         },
         "quick": args.quick,
+        "scale": args.scale,
+        "part_size_mb": args.part_size_mb,
+        "part_concurrency": args.part_concurrency,
+        "presets": {name: PRESETS[name].to_json() for name in dict.fromkeys(args.preset)},
         "replicas": "processes (forkserver), one per replica",
         "rows": rows,
         "summary": summary(rows),
@@ -454,9 +525,10 @@ def _s3_delete_prefix(s3: Any, bucket: str, prefix: str) -> None:
 def print_table(rows: list[dict[str, Any]], summ: dict[str, Any]) -> None:
     print("\nsharded vs naive (bytes per replica, max over replicas; wall = slowest replica)")
     print(
-        f"{'backend':7} {'N':>2} {'P MB':>5} {'codec':5} | "
+        f"{'backend':12} {'N':>2} {'P MB':>5} {'codec':5} | "
         f"{'up MB':>7} {'down MB':>7} {'LB MB':>7} {'ratio':>6} {'wall s':>7} | "
         f"{'naive up':>8} {'naive dn':>8} {'ratio':>6} {'wall s':>7} | {'speedup':>7} {'same':>4}"
+        + (f" | {'limit s':>7} {'wall/limit':>6}" if any(r.get("physical_limit_s") for r in rows) else "")
     )
     naive = {(r["backend"], r["n"], r["p_mb"], r["codec"]): r for r in rows if r["method"] == "naive"}
     for r in rows:
@@ -469,10 +541,12 @@ def print_table(rows: list[dict[str, Any]], summ: dict[str, Any]) -> None:
             if nv
             else f"{'-':>8} {'-':>8} {'-':>6} {'-':>7} | {'-':>7}"
         )
+        limit = r.get("physical_limit_s")
+        lims = f" | {limit:>7.2f} {r['wall_s'] / limit:>5.2f}x" if limit else ""
         print(
-            f"{r['backend']:7} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} | "
+            f"{r['backend']:12} {r['n']:>2} {r['p_mb']:>5} {r['codec']:5} | "
             f"{r['up_mb']:>7.1f} {r['down_mb']:>7.1f} {r['lower_bound_mb']:>7.1f} "
-            f"{r['ratio']:>6.3f} {r['wall_s']:>7.2f} | {nvs} {'yes' if r['identical_across_ranks'] else 'NO':>4}"
+            f"{r['ratio']:>6.3f} {r['wall_s']:>7.2f} | {nvs} {'yes' if r['identical_across_ranks'] else 'NO':>4}{lims}"
         )
     print(
         "\ntargets:",

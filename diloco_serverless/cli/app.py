@@ -3,6 +3,7 @@
     diloco launch                                  # 4 local replicas, tiny model, ./runs
     diloco launch --executor modal --gpu H100 --replicas 8 --store s3://bucket/runs
     diloco status RUN_URL --watch | logs RUN_URL --rank 0 --follow | cancel RUN_URL
+    diloco resume RUN_URL [--executor modal --gpu H100]   # start again the ranks that are not running
     diloco ls ./runs | plot RUN_URL -o loss.png
     diloco push RUN_URL my-org/my-model            # final/ + model card to the Hub (a run that succeeded)
     diloco track RUN_URL --watch                   # tracking.backends for a run launched with --detach
@@ -53,10 +54,11 @@ from diloco_serverless.errors import (
 )
 from diloco_serverless.launcher.api import Run, RunFailed
 from diloco_serverless.launcher.api import launch as api_launch
+from diloco_serverless.launcher.api import resume as api_resume
 from diloco_serverless.launcher.plot import eval_loss_of, metrics_notes, train_loss_of
 from diloco_serverless.launcher.preflight import check_max_usd, parse_options
 from diloco_serverless.launcher.pricing import PRICE_TABLES, usd_per_replica_hour
-from diloco_serverless.launcher.status import TERMINAL
+from diloco_serverless.launcher.status import TERMINAL, RunStatus
 from diloco_serverless.run.record import RunNotFound, join_run_url, list_runs, timeout_policy
 from diloco_serverless.store.objectstore import ObjectStore
 
@@ -276,6 +278,8 @@ def launch(
         )
         _say(out, f"launched {run.config.replicas} {run.executor_kind} replicas of run {run.run_id}")
         _say(out, f"run URL: {run.url}")
+        for note in run.notes:
+            _say(out, f"note: {note}")
         backends = run.config.tracking.backends
         if detach:
             _say(out, f"follow it with: diloco status {run.url} --watch   (cancel: diloco cancel {run.url})")
@@ -286,21 +290,94 @@ def launch(
             return
         if backends:
             _say(out, f"tracking: {', '.join(backends)} (project {run.config.tracking.project}, run {run.run_id})")
-        try:
-            with _Progress(out) as progress:
-                final = run.wait(poll_interval_s=poll_interval_s, on_update=progress.update, max_usd=max_usd)
-        except RunFailed as e:
-            _print_summary(out, e.status)
-            _print_failed_logs(out, run, e.status)
-            raise
-        except KeyboardInterrupt:
-            run.cancel()
-            _err(f"interrupted: cancelled run {run.url} (use --detach to leave a run running)")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
-        _print_summary(out, final)
-        if run.config.hub.repo_id:
-            _say(out, f"pushing the final model to {run.config.hub.repo_id} ...")
-            _say(out, f"pushed: {run.push_to_hub()}")
+        _follow_run(out, run, poll_interval_s, max_usd)
+
+
+def _follow_run(out: Console, run: Run, poll_interval_s: float, max_usd: float | None) -> None:
+    """Follow an attached run to its end: progress, summary, failed ranks' logs, the Hub push; Ctrl-C cancels."""
+    planned = False
+
+    def on_update(status: RunStatus) -> None:
+        nonlocal planned
+        plan = None if planned else run.attempt_plan(status)
+        if plan is not None:
+            planned = True
+            progress.console.print(Text(f"plan: {plan}"))
+        progress.update(status)
+
+    try:
+        with _Progress(out) as progress:
+            final = run.wait(poll_interval_s=poll_interval_s, on_update=on_update, max_usd=max_usd)
+    except RunFailed as e:
+        _print_summary(out, e.status)
+        _print_failed_logs(out, run, e.status)
+        raise
+    except KeyboardInterrupt:
+        run.cancel()
+        _err(f"interrupted: cancelled run {run.url} (use --detach to leave a run running; "
+             f"`diloco resume {run.url}` continues it)")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    _print_summary(out, final)
+    if run.config.hub.repo_id:
+        _say(out, f"pushing the final model to {run.config.hub.repo_id} ...")
+        _say(out, f"pushed: {run.push_to_hub()}")
+
+
+@app.command()
+def resume(
+    run_url: str = typer.Argument(..., help="The run: <store_url>/<run_id>, or a run id under ./runs."),
+    executor: str | None = typer.Option(
+        None, "--executor", "-e", help="Where the ranks run now: local, modal or hf-jobs (default: as launched)."
+    ),
+    gpu: str | None = typer.Option(None, "--gpu", "--flavor", help="Modal GPU type or HF Jobs flavor."),
+    rank: list[int] = typer.Option(
+        [], "--rank", "-r", help="Resume only this rank (repeatable), even one that looks alive (stale)."
+    ),
+    secret: list[str] = typer.Option(
+        [], "--secret", help="Modal Secret / HF Jobs secret name with storage credentials (repeatable)."
+    ),
+    retries: int | None = typer.Option(None, "--retries", min=0, help="Restarts per replica after a crash."),
+    executor_opt: list[str] = typer.Option(
+        [], "--executor-opt", "-x", help="Executor option KEY=VALUE, repeatable (as for launch)."
+    ),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Return after starting; watch with `diloco status`."),
+    max_usd: float | None = typer.Option(None, "--max-usd", help="Cancel the run before the estimated spend "
+                                         "(earlier launches included) exceeds this."),
+    poll_interval_s: float = typer.Option(2.0, "--poll-interval", help="Seconds between progress polls.", min=0.1),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="Confirm model.trust_remote_code again (docs/security.md)."
+    ),
+    store_timeout: float = _store_timeout_option(INTERACTIVE_STORE_TIMEOUT_S, STORE_TIMEOUT_READ_HELP),
+) -> None:
+    """Start again the ranks of a run that are not running (failed, cancelled, preempted, to continue);
+    they heal from the store and go on. Needs the run key this machine kept when it launched the run.
+
+    A run that already succeeded is refused. Executor options (--secret, -x) are not recorded: pass
+    them again. Then follows the run like an attached launch (unless --detach)."""
+    out = _out()
+    with _errors():
+        timeout_s = _store_timeout(store_timeout)
+        if max_usd is not None:
+            check_max_usd(max_usd, "--max-usd")
+            if detach:
+                raise LaunchError("--max-usd needs the launcher attached to enforce it; drop --detach")
+        options: dict[str, Any] = parse_options(executor_opt)
+        if secret:
+            options["secrets"] = list(secret)
+        if retries is not None:
+            options["retries"] = retries
+        url = run_url
+        if "/" not in run_url and "://" not in run_url and Path(DEFAULT_STORE, run_url, "run.json").is_file():
+            url = join_run_url(DEFAULT_STORE, run_url)
+        run = api_resume(url, executor, gpu=gpu, executor_options=options or None, store_timeout_s=timeout_s,
+                         trust_remote_code=trust_remote_code, ranks=rank or None)
+        resumed = (run.record.launch or {}).get("resumed") or []
+        _say(out, f"resumed rank(s) {', '.join(map(str, resumed))} of run {run.run_id} on {run.executor_kind}")
+        _say(out, f"run URL: {run.url}")
+        if detach:
+            _say(out, f"follow it with: diloco status {run.url} --watch   (cancel: diloco cancel {run.url})")
+            return
+        _follow_run(out, run, poll_interval_s, max_usd)
 
 
 def _print_summary(out: Console, status: Any) -> None:

@@ -22,15 +22,17 @@ from rich.table import Table
 from rich.text import Text
 
 from diloco_serverless.launcher.status import (
+    CONTINUE,
     FAILED,
     RUNNING,
     STALE,
+    STARTING,
     SUCCEEDED,
     RunStatus,
 )
 
 _STATE_STYLE = {SUCCEEDED: "green", FAILED: "bold red", RUNNING: "cyan", STALE: "yellow",
-                "cancelled": "magenta", "pending": "dim"}
+                "cancelled": "magenta", "pending": "dim", STARTING: "blue", CONTINUE: "yellow"}
 
 
 #: C0/C1 control characters (ESC starts ANSI and OSC 8 hyperlink sequences), DEL, zero-width and
@@ -120,11 +122,12 @@ def _round_of(status: RunStatus) -> str:
 
 
 def replica_table(status: RunStatus) -> Table:
-    """One row per replica: state, round, step, loss, heartbeat age, bytes moved, attempt."""
+    """One row per replica: state, round, step, loss, heartbeat age, bytes moved, attempts (starts of the
+    rank's replica, from its start records; else the heartbeat's attempt number + 1)."""
     table = Table(title=text(f"run {status.run_id}"), title_justify="left")
     for col, justify in [("rank", "right"), ("state", "left"), ("round", "right"),
                          ("step", "right"), ("loss", "right"), ("heartbeat", "right"),
-                         ("bytes moved", "right"), ("attempt", "right"), ("note", "left")]:
+                         ("bytes moved", "right"), ("attempts", "right"), ("note", "left")]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in status.replicas:
         age = None if r.heartbeat_age_s is None else f"{fmt_duration(r.heartbeat_age_s)} ago"
@@ -136,10 +139,17 @@ def replica_table(status: RunStatus) -> Table:
             text(_field(r, "step", None if r.step is None else str(r.step))),
             text(_field(r, "loss", None if r.loss is None else fmt_loss(r.loss))),
             text(_field(r, "time", age)), text(moved),
-            text(_field(r, "attempt", None if r.attempt is None else str(r.attempt))),
+            text(_attempts(r)),
             text(r.reason or "", limit=80),
         )
     return table
+
+
+def _attempts(r: Any) -> str:
+    """How many times the rank's replica started: its start records, else the heartbeat's attempt + 1."""
+    if getattr(r, "attempts", None):
+        return str(r.attempts)
+    return _field(r, "attempt", None if r.attempt is None else str(r.attempt + 1))
 
 
 def totals_line(status: RunStatus) -> str:
@@ -173,8 +183,10 @@ def note_lines(notes: Iterable[str], limit: int = 200) -> list[str]:
 def progress_line(status: RunStatus) -> str:
     """A one-line progress report for non-terminal output (CI logs, pipes)."""
     live = sum(r.state == RUNNING for r in status.replicas)
+    starting = sum(r.state == STARTING for r in status.replicas)
+    waiting = f" ({starting} starting)" if starting else ""
     return plain(f"[{fmt_duration(status.elapsed_s)}] round {_round_of(status)} | "
-                 f"loss {fmt_loss(status.loss)} | {live}/{len(status.replicas)} running | "
+                 f"loss {fmt_loss(status.loss)} | {live}/{len(status.replicas)} running{waiting} | "
                  f"moved {fmt_bytes(status.bytes_moved)}")
 
 

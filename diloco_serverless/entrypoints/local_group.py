@@ -9,6 +9,8 @@ When a run's ``parallel.devices`` is G > 1, ``python -m diloco_serverless.entryp
 * one exits non-zero or is killed (OOM, ``kill -9``): the parent stops the others (SIGTERM, then
   SIGKILL after a grace period) and exits non-zero (2 when the child reported a setup error, 1
   otherwise), so the executor restarts the replica as a unit and it heals from the store;
+* all exit 0 or 75 (the replica stopped before its attempt's deadline, one decision for all): the
+  parent exits 75 when any did, so the executor starts a fresh attempt;
 * the parent gets SIGTERM/SIGINT (cancel): it forwards it to the children and exits with their code.
 
 On Linux each child also dies with the parent (``PR_SET_PDEATHSIG``), so no local process outlives
@@ -29,6 +31,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from diloco_serverless.executors.base import CONTINUE_EXIT_CODE
 
 __all__ = ["child_env", "free_port", "has_cuda_devices", "run_local_group"]
 
@@ -101,7 +105,7 @@ def run_local_group(argv: Sequence[str], devices: int, *, cuda: bool, python: st
 def _wait(children: list[subprocess.Popen[bytes]], stopping: list[int]) -> int:
     while True:
         codes = [c.poll() for c in children]
-        failed = [(g, code) for g, code in enumerate(codes) if code not in (None, 0)]
+        failed = [(g, code) for g, code in enumerate(codes) if code not in (None, 0, CONTINUE_EXIT_CODE)]
         if failed:
             g, code = failed[0]
             assert code is not None
@@ -111,8 +115,8 @@ def _wait(children: list[subprocess.Popen[bytes]], stopping: list[int]) -> int:
                       f"{len(children) - 1} and exiting so the replica restarts as a unit", file=sys.stderr)
             _stop(children)
             return 130 if stopping else (2 if code == 2 else 1)
-        if all(code == 0 for code in codes):
-            return 0
+        if all(code in (0, CONTINUE_EXIT_CODE) for code in codes):  # the replica stopped before its deadline
+            return CONTINUE_EXIT_CODE if CONTINUE_EXIT_CODE in codes else 0
         time.sleep(_POLL_S)
 
 

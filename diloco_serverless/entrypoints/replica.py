@@ -6,6 +6,9 @@
 Environment: ``REPLICA_RANK`` (required unless ``--rank``), ``DILOCO_RUN_URL`` (unless ``--run-url``),
 ``DILOCO_ATTEMPT`` (restart counter, recorded in heartbeats), ``DILOCO_DEVICE`` (default: cuda if
 available), storage credentials/endpoints the standard way (``AWS_*``, ``DILOCO_STORAGE_OPTIONS``...).
+``DILOCO_ATTEMPT_DEADLINE`` (Unix time) / ``DILOCO_ATTEMPT_TIMEOUT_S`` (seconds from this process's
+start): when the platform kills this attempt (the earlier of the two when both are set); the replica
+stops before it at an outer-round boundary with its state saved (:mod:`diloco_serverless.trainer.deadline`).
 ``DILOCO_CODE_VERSION`` (set by executors that ship the launcher's code as a wheel, e.g. HF Jobs):
 the replica refuses to start unless the installed package it imports has that version.
 Everything else comes from the run's ``run.json``.
@@ -17,15 +20,18 @@ of those runs with ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` set and trains with the o
 Exit codes: 0 success (or the run had already finished); 2 a problem found before training (bad
 run.json, rank outside the run, empty data shard, model/checkpoint mismatch, unreachable store),
 printed as one line ``error: ...``; 1 a failure during training (traceback in the log, one-line
-summary last); 130 interrupted.
+summary last); 75 (``CONTINUE_EXIT_CODE``) stopped before the attempt's deadline with its state saved:
+start a fresh attempt of the rank, which continues exactly (not a failure, not a retry); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -39,7 +45,13 @@ from diloco_serverless.errors import (
     UserInputError,
 )
 from diloco_serverless.executors import _package
-from diloco_serverless.executors.base import CODE_VERSION_ENV
+from diloco_serverless.executors._proc import proc_start_time
+from diloco_serverless.executors.base import (
+    ATTEMPT_DEADLINE_ENV,
+    ATTEMPT_TIMEOUT_ENV,
+    CODE_VERSION_ENV,
+    CONTINUE_EXIT_CODE,
+)
 from diloco_serverless.run.integrity import run_key_from_env
 from diloco_serverless.run.record import load_run
 from diloco_serverless.trainer.local_group import LOCAL_WORLD_SIZE_ENV
@@ -76,6 +88,40 @@ def _attempt() -> int:
     if not raw.strip().isdigit():
         raise ValueError(f"DILOCO_ATTEMPT must be a non-negative integer, got {raw!r}")
     return int(raw)
+
+
+def _process_start() -> float:
+    """Unix time this process started (``/proc``), else now."""
+    ticks = proc_start_time(os.getpid())
+    try:
+        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                    if ln.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK") if ticks is not None else time.time()
+    except (OSError, StopIteration, ValueError, IndexError):
+        return time.time()
+
+
+def _positive_seconds(name: str, raw: str, what: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be {what} (a number above 0), got {raw!r}; fix or unset it")
+    return value
+
+
+def _deadline(started_at: float) -> float | None:
+    """This attempt's deadline (Unix time) from ``DILOCO_ATTEMPT_DEADLINE`` / ``DILOCO_ATTEMPT_TIMEOUT_S``
+    (the earlier one), or None when neither is set; ValueError (exit code 2) naming a bad value."""
+    found: list[float] = []
+    raw = os.environ.get(ATTEMPT_DEADLINE_ENV, "").strip()
+    if raw:
+        found.append(_positive_seconds(ATTEMPT_DEADLINE_ENV, raw, "the attempt's deadline as a Unix time in seconds"))
+    raw = os.environ.get(ATTEMPT_TIMEOUT_ENV, "").strip()
+    if raw:
+        found.append(started_at + _positive_seconds(ATTEMPT_TIMEOUT_ENV, raw, "the attempt's length in seconds"))
+    return min(found) if found else None
 
 
 #: Exception types that mean "fix the input", reported as one line with exit code 2: bad config,
@@ -145,18 +191,26 @@ def _main(args: argparse.Namespace, rank_text: str, argv: list[str]) -> int:
         if not args.run_url:
             raise ValueError("no run URL: set DILOCO_RUN_URL or pass --run-url <store_url>/<run_id>")
         rank, attempt = _rank(args), _attempt()
+        started_at = _process_start()
+        deadline = _deadline(started_at)
         _check_shipped_code()
         devices = _devices_per_replica(args.run_url)
         if devices > 1:  # the parent only watches: it does not load torch
+            if deadline is not None:  # one deadline for the whole replica, whenever each process starts
+                os.environ[ATTEMPT_DEADLINE_ENV] = repr(deadline)
+                os.environ.pop(ATTEMPT_TIMEOUT_ENV, None)
             return run_local_group(argv, devices, cuda=args.device is None and has_cuda_devices())
         import torch
 
+        from diloco_serverless.trainer.deadline import AttemptDeadline
         from diloco_serverless.trainer.local_group import LocalGroup
         from diloco_serverless.trainer.loop import ReplicaTrainer
 
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         local = LocalGroup.from_env(device)
-        trainer = ReplicaTrainer.from_run(args.run_url, rank, attempt=attempt, device=str(device), local=local)
+        limit = None if deadline is None else AttemptDeadline(deadline=deadline, started_at=started_at)
+        trainer = ReplicaTrainer.from_run(args.run_url, rank, attempt=attempt, device=str(device), local=local,
+                                          deadline=limit)
     except KeyboardInterrupt:
         return 130
     except _SETUP_ERRORS as exc:
@@ -170,6 +224,10 @@ def _main(args: argparse.Namespace, rank_text: str, argv: list[str]) -> int:
         logger.exception("training failed")
         print(f"error: replica rank {rank} of {args.run_url} failed: {_one_line(exc)}", file=sys.stderr)
         return 2 if isinstance(exc, _SETUP_ERRORS) else 1
+    if result.continuing:
+        logger.info("continue: attempt %d saved its state after round %d; exiting with %d so that a fresh attempt "
+                    "continues", attempt, result.rounds - 1, CONTINUE_EXIT_CODE)
+        return CONTINUE_EXIT_CODE
     if args.dump_params:
         _dump(trainer, args.dump_params, rank)
     logger.info("done: %d rounds (%d trained, %d replayed), final written by this rank: %s, eval loss %s",

@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 
 from diloco_serverless.exchange.codec import CODECS, max_object_bytes
 from diloco_serverless.exchange.errors import CorruptObjectError
-from diloco_serverless.run.layout import ROUNDS_PREFIX
+from diloco_serverless.exchange.topology import PROTOCOLS, shard_count
+from diloco_serverless.run.layout import ROUNDS_PREFIX, SPREAD_PREFIX
 from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 
@@ -36,7 +37,10 @@ _SHARD_RE = re.compile(r"/(\d{4,})$")
 _ROUND = rf"{re.escape(ROUNDS_PREFIX)}/(\d{{8,}})"
 _OWN_MARKER_RE = re.compile(rf"{_ROUND}/ready/rank-\d+")
 _QUORUM_RE = re.compile(rf"{_ROUND}/quorum\.json")
-_SHARD_OBJECT_RE = re.compile(rf"{_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}}))")
+_DATA_ROUND = rf"(?:{re.escape(ROUNDS_PREFIX)}|{re.escape(SPREAD_PREFIX)}[0-9a-f]{{2}})/(\d{{8,}})"
+_SHARD_OBJECT_RE = re.compile(
+    rf"{_DATA_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}})|partial/\d{{4,}}/(\d{{4,}}))"
+)
 _ROUND_RE = re.compile(_ROUND)
 _KEEP_LAYOUTS = 8  # rounds whose layout a CountingStore remembers (the newest)
 
@@ -78,12 +82,17 @@ class RoundLayout(NamedTuple):
     numel: int
     world_size: int
     codec: str
+    protocol: str = "flat"  # exchange.topology's protocol (it fixes the shard count)
+
+    @property
+    def shards(self) -> int:
+        return shard_count(self.world_size, self.protocol)
 
     def shard_numel(self, shard: int) -> int:
         """Elements of ``shard`` (as :func:`shard_bounds` cuts them); 0 for a shard that cannot exist."""
-        if shard >= self.world_size:
+        if shard >= self.shards:
             return 0
-        base, extra = divmod(self.numel, self.world_size)
+        base, extra = divmod(self.numel, self.shards)
         return base + (1 if shard < extra else 0)
 
     @classmethod
@@ -97,7 +106,10 @@ class RoundLayout(NamedTuple):
             return None
         if not isinstance(codec, str) or codec not in CODECS:
             return None
-        return cls(numel, world_size, codec)
+        protocol = marker.get("protocol", "flat")
+        if protocol not in PROTOCOLS:
+            return None
+        return cls(numel, world_size, codec, protocol)
 
 
 class CountingStore:
@@ -161,6 +173,8 @@ class CountingStore:
         if known is None:
             return None
         layout = known[0]
+        if m.group(4) is not None:  # a hierarchical group partial: always fp32
+            return max_object_bytes("fp32", layout.shard_numel(int(m.group(4))))
         return max_object_bytes(layout.codec, layout.shard_numel(int(m.group(2) or m.group(3))))
 
     def _learn(self, key: str, data: bytes, *, own: bool) -> None:

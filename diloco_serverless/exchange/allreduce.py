@@ -58,6 +58,7 @@ from diloco_serverless.exchange.errors import (
     MismatchError,
     RoundPrunedError,
 )
+from diloco_serverless.exchange.hierarchical import HierarchicalRound
 from diloco_serverless.exchange.quorum import (
     Quorum,
     QuorumWait,
@@ -68,13 +69,16 @@ from diloco_serverless.exchange.quorum import (
     wait_for_quorum,
     write_abstention,
 )
+from diloco_serverless.exchange.topology import resolve, shard_count
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
     contrib_key,
     ready_key,
     reduced_key,
     reduced_prefix,
+    round_data_prefixes,
     round_prefix,
+    spread_count,
 )
 from diloco_serverless.store.objectstore import ObjectStore
 
@@ -104,6 +108,7 @@ class RoundStats:
     late: bool = False
     reduced_shards: list[int] = field(default_factory=list)
     takeovers: list[int] = field(default_factory=list)
+    takeover_keys: list[str] = field(default_factory=list)  # hierarchical: partials/reduced shards computed for others
     phases_s: dict[str, float] = field(default_factory=dict)  # publish, quorum, reduce, gather
     abstained: str | None = None  # why this replica did not contribute (its values were not finite)
 
@@ -139,6 +144,8 @@ class ObjectStoreAllReduce:
         run_key: the run's secret key (diloco_serverless.run.integrity): every object this replica writes
             carries an HMAC under it, and objects read without a valid one are refused as corrupt.
         poll_interval_s: longest sleep between polls (polling starts at 20 ms and backs off 1.5x).
+        topology: ``flat``, ``hierarchical`` or ``auto`` (:mod:`.topology` picks the protocol from N; at
+            N = 2 ``auto`` exchanges whole tensors, ``direct``). Every replica must use the same.
 
     Raises ``ValueError`` in ``__init__`` for an impossible configuration, saying what to change.
     """
@@ -160,12 +167,15 @@ class ObjectStoreAllReduce:
         storage_options: dict[str, Any] | None = None,
         poll_interval_s: float = POLL_INTERVAL_S,
         run_key: bytes | None = None,
+        topology: str = "flat",
     ) -> None:
         _validate(
             rank, world_size, min_replicas, timeout_s, straggler_timeout_s, takeover_timeout_s, keep_rounds,
             poll_interval_s,
         )
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
+        self.protocol = resolve(topology, world_size) if world_size > 1 else "flat"
+        self._shards, self._spread = shard_count(world_size, self.protocol), spread_count(world_size)
         self._run_key = run_key
         self.codec = validate_codec(codec)
         self.timeout_s, self.straggler_timeout_s, self.takeover_timeout_s = (
@@ -219,7 +229,7 @@ class ObjectStoreAllReduce:
         flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
         if self.error_feedback and self.codec != "fp32":
             flat = self._add_residual(flat, residual_key)
-        rs = _Round(r, self._marker(r, tensor), shard_bounds(flat.numel(), self.world_size), t0 + self.timeout_s)
+        rs = _Round(r, self._marker(r, tensor), shard_bounds(flat.numel(), self._shards), t0 + self.timeout_s)
         rs.stats = RoundStats(r, [], abstained=abstain or _non_finite(flat))
         quorum = self._join(rs, flat)
         rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
@@ -251,8 +261,16 @@ class ObjectStoreAllReduce:
                 f"round {round} averaged {ref.numel} elements (shape {tuple(ref.shape)}) but the tensor to replay into "
                 f"has {like.numel()} (shape {tuple(like.shape)})"
             )
-        bounds = shard_bounds(ref.numel, ref.world_size)
-        keys = [reduced_key(round, j) for j in range(len(bounds))]
+        bounds = shard_bounds(ref.numel, shard_count(ref.world_size, ref.protocol))
+        if ref.protocol == "direct":
+            rs = _Round(round, ref, bounds, time.monotonic() + self.timeout_s)
+            try:
+                out = self._reduce_direct(rs, quorum, ref)
+            except ExchangeError:
+                return None  # a contribution is gone: the round was pruned
+            return out.view(like.shape).to(device=like.device, dtype=like.dtype)
+        spread = spread_count(ref.world_size)
+        keys = [reduced_key(round, j, spread) for j in range(len(bounds))]
         blobs = self._io.get_many(keys, missing_ok=True)
         if len(blobs) != len(keys):
             return None
@@ -272,7 +290,7 @@ class ObjectStoreAllReduce:
             if k.count("/") >= 2 and k.split("/")[1].isdigit()
         }
         for r in sorted(x for x in rounds if x < before_round):
-            self._io.delete(round_prefix(r), recursive=True)
+            self._delete_round(r, range(len(round_data_prefixes(r, self.world_size))))
 
     def close(self) -> None:
         """Release the upload threads. The object can still be used afterwards (threads restart)."""
@@ -328,10 +346,10 @@ class ObjectStoreAllReduce:
             header = ShardHeader(
                 self.run_id, rs.r, j, "contrib", self.codec, b - a, self.rank, rs.me.dtype, rs.me.shape
             )
-            io.put(contrib_key(rs.r, j, self.rank), pack(enc, asdict(header), self._run_key))
+            io.put(contrib_key(rs.r, j, self.rank, self._spread), pack(enc, asdict(header), self._run_key))
             return decode_values(enc, self.codec, b - a)
 
-        own = list(self._executor().map(one, range(self.world_size)))
+        own = list(self._executor().map(one, range(self._shards)))
         self._before_ready(rs)
         io.put(ready_key(rs.r, self.rank), signed_json(self._run_key, "ready", asdict(rs.me)))
         return own
@@ -345,6 +363,13 @@ class ObjectStoreAllReduce:
         io = self._io
         assert io is not None and rs.stats is not None
         ref = quorum.markers[quorum.participants[0]]
+        if self.protocol == "direct":
+            t = time.monotonic()
+            out = self._reduce_direct(rs, quorum, ref)
+            rs.stats.phases_s["reduce"] = time.monotonic() - t
+            return out
+        if self.protocol == "hierarchical":
+            return self._gather_hierarchical(rs, quorum)
         out = torch.empty(ref.numel, dtype=torch.float32)
         done: set[int] = set()
         t_reduce = time.monotonic()
@@ -353,14 +378,14 @@ class ObjectStoreAllReduce:
             out[rs.bounds[j][0] : rs.bounds[j][1]].copy_(values)
             done.add(j)
 
-        for j in range(self.world_size):
+        for j in range(self._shards):
             if quorum.participants[j % len(quorum.participants)] == self.rank:
                 place(j, self._reduce(rs, quorum, j, ref))
                 rs.stats.reduced_shards.append(j)
         started, sleep_s = time.monotonic(), min(_FIRST_POLL_S, self.poll_interval_s)
         rs.stats.phases_s["reduce"] = started - t_reduce
-        while len(done) < self.world_size:
-            missing = [j for j in range(self.world_size) if j not in done]
+        while len(done) < self._shards:
+            missing = [j for j in range(self._shards) if j not in done]
             if self._fetch_reduced(rs, missing, ref, place):
                 sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
                 continue
@@ -388,14 +413,21 @@ class ObjectStoreAllReduce:
         """Download and verify the reduced shards among ``missing`` that exist now; False if none did."""
         io = self._io
         assert io is not None
-        present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
+        if self._spread == 1:  # one listing says which shards exist
+            present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
+        else:  # spread over prefixes: GET the missing shards directly (a miss is as cheap as a listing)
+            present = list(missing)
+        found = False
         for batch in _batches(present, rs.bounds, _GATHER_BATCH_BYTES // 4):
-            keys = {j: reduced_key(rs.r, j) for j in batch}
-            blobs = io.get_many(list(keys.values()))
+            keys = {j: reduced_key(rs.r, j, self._spread) for j in batch}
+            blobs = io.get_many(list(keys.values()), missing_ok=self._spread > 1)
             for j, key in keys.items():
+                if key not in blobs:
+                    continue
+                found = True
                 expect = self._reduced_header(rs.r, j, rs.bounds[j], ref)
                 place(j, decode_shard(blobs.pop(key), key=key, expect=expect, run_key=self._run_key))
-        return bool(present)
+        return found
 
     def _prefetch(self, rs: _Round, ready: set[int]) -> None:
         """While waiting for the quorum, start downloading the contributions of ready ranks to the
@@ -403,8 +435,10 @@ class ObjectStoreAllReduce:
         If the quorum turns out smaller, those bytes are simply not used."""
         io = self._io
         assert io is not None
+        if self.protocol == "hierarchical":
+            return  # the shard we sum depends on who is in our group: nothing safe to prefetch
         for q in ready - {self.rank}:
-            key = contrib_key(rs.r, self.rank, q)
+            key = contrib_key(rs.r, self.rank if self.protocol == "flat" else 0, q, self._spread)
             if key not in rs.prefetch:
                 rs.prefetch[key] = io.get_async(key)
 
@@ -416,12 +450,53 @@ class ObjectStoreAllReduce:
         if rs.own is None and self.rank in quorum.participants:
             # A participant that did not publish in this call is re-running a round it took part in
             # before it restarted: its shard may be reduced already.
-            stored = io.get_or_none(reduced_key(rs.r, j))
+            stored = io.get_or_none(reduced_key(rs.r, j, self._spread))
             if stored is not None:
                 expect = self._reduced_header(rs.r, j, (a, b), ref)
-                return decode_shard(stored, key=reduced_key(rs.r, j), expect=expect, run_key=self._run_key)
+                key = reduced_key(rs.r, j, self._spread)
+                return decode_shard(stored, key=key, expect=expect, run_key=self._run_key)
+        acc = self._sum_contributions(rs, quorum, j, ref)
+        acc /= len(quorum.participants)
+        enc = encode_values(acc, self.codec)
+        key = reduced_key(rs.r, j, self._spread)
+        expect = self._reduced_header(rs.r, j, (a, b), ref)
+        if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key)):
+            return decode_values(enc, self.codec, b - a)
+        return decode_shard(io.get(key), key=key, expect=expect, run_key=self._run_key)
+
+    def _reduce_direct(self, rs: _Round, quorum: Quorum, ref: ReadyMarker) -> torch.Tensor:
+        """Direct protocol: the mean of the participants' whole contributions, summed here in rank order
+        (fp32, the same operations on every replica) and passed through the codec, as a stored reduced
+        shard would be; nothing is written."""
+        acc = self._sum_contributions(rs, quorum, 0, ref)
+        acc /= len(quorum.participants)
+        return decode_values(encode_values(acc, ref.codec), ref.codec, acc.numel())
+
+    def _gather_hierarchical(self, rs: _Round, quorum: Quorum) -> torch.Tensor:
+        io = self._io
+        assert io is not None and rs.stats is not None
+        t = time.monotonic()
+        own = rs.own if self.rank in quorum.participants else None
+        h = HierarchicalRound(
+            io, self.run_id, self._run_key, self.rank, rs.r, quorum, rs.bounds, own,
+            self.takeover_timeout_s, self.poll_interval_s, rs.deadline,
+        )
+        out = h.run()
+        rs.stats.reduced_shards.extend(h.reduced_shards)
+        rs.stats.takeover_keys.extend(h.takeovers)
+        rs.stats.wait_s += h.wait_s
+        rs.stats.phases_s["reduce"] = time.monotonic() - t
+        return out
+
+    def _sum_contributions(self, rs: _Round, quorum: Quorum, j: int, ref: ReadyMarker) -> torch.Tensor:
+        """fp32 sum of shard j over the quorum in rank order (our own decoded values where we have them)."""
+        io = self._io
+        assert io is not None
+        a, b = rs.bounds[j]
         use_own = rs.own is not None and self.rank in quorum.participants
-        keys = {q: contrib_key(rs.r, j, q) for q in quorum.participants if not (use_own and q == self.rank)}
+        keys = {
+            q: contrib_key(rs.r, j, q, self._spread) for q in quorum.participants if not (use_own and q == self.rank)
+        }
         pending = {k: rs.prefetch.pop(k) for k in keys.values() if k in rs.prefetch}
         blobs = io.get_many([k for k in keys.values() if k not in pending], missing_ok=True)
         for k, fut in pending.items():
@@ -440,26 +515,35 @@ class ObjectStoreAllReduce:
                 )
             head = ShardHeader(self.run_id, rs.r, j, "contrib", ref.codec, b - a, q, ref.dtype, ref.shape)
             acc += decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self._run_key)
-        acc /= len(quorum.participants)
-        enc = encode_values(acc, self.codec)
-        key = reduced_key(rs.r, j)
-        expect = self._reduced_header(rs.r, j, (a, b), ref)
-        if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key)):
-            return decode_values(enc, self.codec, b - a)
-        return decode_shard(io.get(key), key=key, expect=expect, run_key=self._run_key)
+        return acc
 
     def _finish(self, rs: _Round, t0: float) -> None:
         """Record stats and delete the round that fell out of ``keep_rounds``."""
         io = self._io
         assert io is not None and rs.stats is not None
         q = rs.stats.participants
-        if self.keep_rounds is not None and rs.r >= self.keep_rounds and q[rs.r % len(q)] == self.rank:
-            io.delete(round_prefix(rs.r - self.keep_rounds), recursive=True)
+        if self.keep_rounds is not None and rs.r >= self.keep_rounds and self.rank in q:
+            # the data prefixes are split among the participants (at N = 1,024: one each); the round's
+            # control folder goes last, with the data prefixes of the participant who owns it
+            i, old = q.index(self.rank), rs.r - self.keep_rounds
+            mine = range((i - rs.r) % len(q), len(round_data_prefixes(old, self.world_size)), len(q))
+            self._delete_round(old, mine, control=q[rs.r % len(q)] == self.rank)
         rs.stats.bytes_up, rs.stats.bytes_down = io.bytes_up, io.bytes_down
         rs.stats.total_s = time.monotonic() - t0
         self.last_stats = rs.stats
 
     # ------------------------------------------------------------------ helpers
+
+    def _delete_round(self, r: int, data: range, *, control: bool = True) -> None:
+        """Delete round r's data prefixes numbered ``data`` and, with ``control``, its ``rounds/`` folder."""
+        io = self._io
+        assert io is not None
+        prefixes = round_data_prefixes(r, self.world_size)
+        for i in data:
+            if prefixes[i] != round_prefix(r):
+                io.delete(prefixes[i], recursive=True)
+        if control:
+            io.delete(round_prefix(r), recursive=True)
 
     def _marker(self, r: int, tensor: torch.Tensor) -> ReadyMarker:
         return ReadyMarker(
@@ -471,6 +555,7 @@ class ObjectStoreAllReduce:
             str(tensor.dtype),
             list(tensor.shape),
             self.codec,
+            self.protocol,
         )
 
     def _reduced_header(self, r: int, j: int, bounds: tuple[int, int], ref: ReadyMarker) -> ShardHeader:

@@ -484,13 +484,14 @@ class ShardHeader:
     """Identity of one exchange object: who wrote what part of which round of which run.
 
     ``dtype``/``shape`` describe the whole tensor being averaged; ``numel`` is this shard's length.
-    ``rank`` is the contributor for ``kind="contrib"`` and ``None`` for ``kind="reduced"``.
+    ``rank`` is the contributor for ``kind="contrib"``, the group for ``kind="partial"`` (a hierarchical
+    group's sum, always fp32) and ``None`` for ``kind="reduced"``.
     """
 
     run_id: str
     round: int
     shard: int
-    kind: Literal["contrib", "reduced"]
+    kind: Literal["contrib", "reduced", "partial"]
     codec: str
     numel: int
     rank: int | None = None
@@ -508,7 +509,7 @@ _FIELD_RULES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "run_id": ("a string", lambda v: isinstance(v, str)),
     "round": ("an integer >= 0", _is_size),
     "shard": ("an integer >= 0", _is_size),
-    "kind": ('"contrib" or "reduced"', lambda v: isinstance(v, str) and v in ("contrib", "reduced")),
+    "kind": ('"contrib", "reduced" or "partial"', lambda v: v in ("contrib", "reduced", "partial")),
     "codec": ("a string", lambda v: isinstance(v, str)),
     "numel": ("an integer >= 0", _is_size),
     "rank": ("an integer >= 0 or null", lambda v: v is None or _is_size(v)),

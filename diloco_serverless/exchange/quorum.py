@@ -50,12 +50,16 @@ class ReadyMarker:
     dtype: str
     shape: list[int]
     codec: str
+    protocol: str = "flat"  # direct, flat or hierarchical (diloco_serverless.exchange.topology)
 
     def signature(self) -> tuple[Any, ...]:
-        return (self.world_size, self.numel, self.dtype, self.codec)
+        return (self.world_size, self.numel, self.dtype, self.codec, self.protocol)
 
     def describe(self) -> str:
-        return f"rank {self.rank}: shape {tuple(self.shape)} ({self.numel} elements, {self.dtype}, codec {self.codec})"
+        return (
+            f"rank {self.rank}: shape {tuple(self.shape)} ({self.numel} elements, {self.dtype}, codec {self.codec}, "
+            f"{self.protocol} exchange)"
+        )
 
     @classmethod
     def parse(cls, data: bytes, *, key: str, run_key: bytes | None = None) -> ReadyMarker:
@@ -200,7 +204,8 @@ def check_agreement(quorum: Quorum, me: ReadyMarker) -> None:
             raise MismatchError(
                 f"round {quorum.round}: replicas disagree on what they average — "
                 f"{ref.describe()} vs {other.describe()}; "
-                "every replica must all-reduce the same flat tensor with the same codec and world size"
+                "every replica must all-reduce the same flat tensor with the same codec, world size and "
+                "exchange.topology"
             )
     if me.signature() != ref.signature():
         raise MismatchError(

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from diloco_serverless.config import tomllib  # the stdlib module, or tomli on 3.10
+from diloco_serverless.config import tomllib
 from diloco_serverless.executors.base import ExecutorUnavailable
 
 #: The folder of the imported ``diloco_serverless`` package: what remote replicas get (tests point it elsewhere).
@@ -141,7 +141,7 @@ def package_requirements(extras: Sequence[str], package_dir: Path | None = None)
 
     A requirement of an extra is kept when one of ``extras`` selects it (evaluated here) and loses
     its marker (``moto[server]>=5``); a requirement with only an environment marker keeps it
-    (``tomli>=2; python_version < "3.11"``), for the installer to evaluate where it runs."""
+    (``pywin32; sys_platform == "win32"``), for the installer to evaluate where it runs."""
     out: list[str] = []
     for text in project_metadata(package_dir).requires_dist:
         req = Requirement(text)

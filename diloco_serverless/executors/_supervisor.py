@@ -1,7 +1,7 @@
 """Per-replica supervisor of the local executor: run a replica, restart it when it crashes.
 
     python -m diloco_serverless.executors._supervisor --rank R --retries K --log FILE --state FILE \
-        [--restart-delay-s S] -- python -m diloco_serverless.entrypoints.replica ...
+        [--restart-delay-s S] [--attempt-timeout-s T] -- python -m diloco_serverless.entrypoints.replica ...
 
 The local executor starts one supervisor per rank in a new session (so it survives the launching
 CLI and owns a process group: the supervisor, the replica and anything the replica spawns). The
@@ -16,6 +16,11 @@ replica; it heals from the store's latest checkpoint. Exit code 2 (a setup error
 rank outside the run, unreachable store; see entrypoints/replica.py) is not retried: the state
 becomes ``failed`` at once, with the replica's ``error: ...`` line as the reason. SIGTERM to the
 supervisor means "cancel": the replica is not restarted and the state becomes ``cancelled``.
+
+Exit code 75 (``CONTINUE_EXIT_CODE``: the replica stopped before its attempt's deadline with its
+state saved) starts the next attempt at once, with ``DILOCO_ATTEMPT`` incremented, and uses no retry;
+the state file lists it under ``continuations``. ``--attempt-timeout-s T`` gives every attempt
+``DILOCO_ATTEMPT_TIMEOUT_S=T``: a platform cap rehearsed locally (nothing kills the replica at T).
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from diloco_serverless.executors._proc import proc_start_time, tail_file, write_json_atomic
-from diloco_serverless.executors.base import SETUP_ERROR_EXIT_CODE, setup_error_reason
+from diloco_serverless.executors.base import (
+    ATTEMPT_TIMEOUT_ENV,
+    CONTINUE_EXIT_CODE,
+    SETUP_ERROR_EXIT_CODE,
+    setup_error_reason,
+)
 
 _cancelled = False
 
@@ -65,6 +75,7 @@ class _State:
             "exit_code": None,
             "reason": None,
             "restarts": [],
+            "continuations": [],
         }
 
     def update(self, **changes: Any) -> None:
@@ -85,22 +96,26 @@ def _log_tail(log_path: Path) -> str:
         return ""
 
 
-def _run_attempt(cmd: list[str], attempt: int, log_fh: Any, state: _State) -> int:
+def _run_attempt(cmd: list[str], attempt: int, log_fh: Any, state: _State, timeout_s: float | None = None) -> int:
     env = {**os.environ, "DILOCO_ATTEMPT": str(attempt)}
+    if timeout_s is not None:
+        env[ATTEMPT_TIMEOUT_ENV] = repr(float(timeout_s))
     child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log_fh, stderr=subprocess.STDOUT)
     state.update(status="running", attempt=attempt, child_pid=child.pid, child_start=proc_start_time(child.pid))
     return child.wait()
 
 
-def supervise(cmd: list[str], rank: int, retries: int, log_path: Path, state_path: Path, restart_delay_s: float) -> int:
-    """Run ``cmd`` until it succeeds, is cancelled, or has failed ``retries + 1`` times. Returns 0/1."""
+def supervise(cmd: list[str], rank: int, retries: int, log_path: Path, state_path: Path, restart_delay_s: float,
+              attempt_timeout_s: float | None = None) -> int:
+    """Run ``cmd`` until it succeeds, is cancelled, or has failed ``retries + 1`` times (attempts that
+    exit with CONTINUE_EXIT_CODE are followed by the next one at once and are not failures). Returns 0/1."""
     state = _State(state_path, rank, retries)
     state.update()
     with open(log_path, "ab", buffering=0) as log_fh:
-        attempt = 0
+        attempt = failures = 0
         while True:
             _log(log_fh, f"rank {rank} attempt {attempt}: starting {' '.join(cmd)}")
-            code = _run_attempt(cmd, attempt, log_fh, state)
+            code = _run_attempt(cmd, attempt, log_fh, state, attempt_timeout_s)
             _log(log_fh, f"rank {rank} attempt {attempt}: {_describe_exit(code)}")
             if _cancelled:
                 state.update(status="cancelled", exit_code=code, reason="cancelled", child_pid=None)
@@ -114,14 +129,22 @@ def supervise(cmd: list[str], rank: int, retries: int, log_path: Path, state_pat
                 _log(log_fh, f"rank {rank}: not restarting: exit code {code} is a setup error that a retry cannot fix")
                 state.update(status="failed", exit_code=code, reason=reason, child_pid=None)
                 return 1
-            if attempt >= retries:
+            if code == CONTINUE_EXIT_CODE:
+                continuations = [*state.data["continuations"], {"attempt": attempt, "time": time.time()}]
+                state.update(status="running", exit_code=code, child_pid=None, continuations=continuations,
+                             reason=f"continuing: attempt {attempt} stopped before its deadline with its state saved")
+                _log(log_fh, f"rank {rank}: attempt {attempt} stopped before its deadline with its state saved; "
+                     "starting the next attempt now (not a retry)")
+                attempt += 1
+                continue
+            if failures >= retries:
                 reason = f"{_describe_exit(code)} (attempt {attempt}, no retries left of {retries})"
                 state.update(status="failed", exit_code=code, reason=reason, child_pid=None)
                 return 1
             restarts = [*state.data["restarts"], {"attempt": attempt, "exit_code": code, "time": time.time()}]
             state.update(status="running", exit_code=code, reason=f"restarting: {_describe_exit(code)}",
                          child_pid=None, restarts=restarts)
-            _log(log_fh, f"rank {rank}: restarting in {restart_delay_s:g} s ({retries - attempt} retries left)")
+            _log(log_fh, f"rank {rank}: restarting in {restart_delay_s:g} s ({retries - failures} retries left)")
             deadline = time.monotonic() + restart_delay_s
             while time.monotonic() < deadline and not _cancelled:
                 time.sleep(0.05)
@@ -129,6 +152,7 @@ def supervise(cmd: list[str], rank: int, retries: int, log_path: Path, state_pat
                 state.update(status="cancelled", reason="cancelled")
                 return 0
             attempt += 1
+            failures += 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", type=Path, required=True)
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--restart-delay-s", type=float, default=1.0)
+    parser.add_argument("--attempt-timeout-s", type=float, default=None)
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -145,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("missing the replica command after --")
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigterm)
-    return supervise(cmd, args.rank, args.retries, args.log, args.state, args.restart_delay_s)
+    return supervise(cmd, args.rank, args.retries, args.log, args.state, args.restart_delay_s, args.attempt_timeout_s)
 
 
 if __name__ == "__main__":

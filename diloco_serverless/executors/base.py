@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from diloco_serverless.errors import ExecutorError
@@ -45,7 +45,7 @@ class CollectTimeout(ExecutorError, TimeoutError):
         self.pending_ranks = list(pending_ranks)
 
 
-class ReplicaStatus(str, Enum):
+class ReplicaStatus(StrEnum):
     """Lifecycle of one replica. ``str`` valued so it serialises to JSON as a plain string."""
 
     PENDING = "pending"
@@ -196,7 +196,12 @@ class ServerlessExecutor(Protocol):
         entrypoint: str,
         entrypoint_args: Sequence[str],
         env: Mapping[str, str] | None = None,
-    ) -> list[ReplicaHandle]: ...
+        *,
+        ranks: Sequence[int] | None = None,
+    ) -> list[ReplicaHandle]:
+        """Start ranks ``0..n_replicas-1``, or only ``ranks`` (a resume: the run has ``n_replicas``
+        ranks and the others are still running or done); one handle per started rank, in order."""
+        ...
 
     def poll(self, handles: Sequence[ReplicaHandle]) -> list[ReplicaState]: ...
 
@@ -309,6 +314,8 @@ CONTINUE_EXIT_CODE = 75
 #: seconds (float). Executors that know their platform's cap set it (or ``DILOCO_ATTEMPT_TIMEOUT_S``,
 #: seconds from the process start, which the replica turns into a deadline).
 ATTEMPT_DEADLINE_ENV, ATTEMPT_TIMEOUT_ENV = "DILOCO_ATTEMPT_DEADLINE", "DILOCO_ATTEMPT_TIMEOUT_S"
+#: The line a remote wrapper prints before ending an attempt whose replica exited with CONTINUE_EXIT_CODE.
+CONTINUE_MARKER = "[diloco] continue (exit code 75): state saved before the attempt's deadline"
 
 #: Set in the environment of a replica that runs shipped code: the wheel's version (with its
 #: ``+src.<hash>`` label), SHA-256 and URL. The replica refuses to start (exit code 2) when the
@@ -405,3 +412,21 @@ def check_replica_count(n_replicas: int, kind: str) -> None:
     """Refuse ``n_replicas < 1`` before anything is launched."""
     if not isinstance(n_replicas, int) or n_replicas < 1:
         raise ValueError(f"{kind} executor: n_replicas must be a positive integer, got {n_replicas!r}")
+
+
+def ranks_to_start(n_replicas: int, ranks: Sequence[int] | None, kind: str) -> list[int]:
+    """The ranks a ``launch_replicas`` call starts: all of ``0..n_replicas-1``, or ``ranks``, which must
+    be distinct ranks of the run (ValueError naming the bad one otherwise, before anything starts)."""
+    check_replica_count(n_replicas, kind)
+    if ranks is None:
+        return list(range(n_replicas))
+    chosen = list(ranks)
+    if not chosen:
+        raise ValueError(f"{kind} executor: ranks is empty; pass None to start every rank")
+    for rank in chosen:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n_replicas:
+            raise ValueError(f"{kind} executor: rank {rank!r} is not a rank of a run of {n_replicas} replicas "
+                             f"(0..{n_replicas - 1})")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"{kind} executor: ranks {chosen} name a rank twice; each rank runs once")
+    return chosen

@@ -13,8 +13,14 @@ entrypoints/replica.py) is not retried: the Job's command prints ``SETUP_ERROR_M
 0, and ``poll`` reports that Job ``failed`` with the replica's ``error: ...`` line. The Hub does not
 tell a Job its attempt number, so ``DILOCO_ATTEMPT`` is not set. Stage mapping: SCHEDULING ->
 pending, RUNNING -> running, COMPLETED -> succeeded (failed when the log ends with the setup-error
-marker), ERROR -> failed (with the Hub's status message), CANCELED -> cancelled, DELETED -> failed,
-any other stage -> unknown.
+marker, continue when it ends with the continue marker), ERROR -> failed (with the Hub's status
+message), CANCELED -> cancelled, DELETED -> failed, any other stage -> unknown.
+
+Runs longer than the Job ``timeout``: the Job's shell sets ``DILOCO_ATTEMPT_DEADLINE`` to its own
+start + the timeout (and the Job's environment has ``DILOCO_ATTEMPT_TIMEOUT_S``), the replica stops
+before it with its state saved (exit code 75), and the shell prints :data:`CONTINUE_MARKER` and exits
+0 (no attempt used); ``poll`` then reports ``continue``: whoever waits on the run starts a fresh Job
+for that rank, which resumes from the saved state.
 
 Handles (``job_id``, ``namespace``, ``endpoint``, ...) are stored in run.json, which any replica
 credential can rewrite. The token is therefore only ever sent to the endpoint of *this* process
@@ -48,9 +54,12 @@ from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors import _fetch_code
 from diloco_serverless.executors._package import build_wheel, package_requirements
 from diloco_serverless.executors.base import (
+    ATTEMPT_TIMEOUT_ENV,
     CODE_SHA256_ENV,
     CODE_URL_ENV,
     CODE_VERSION_ENV,
+    CONTINUE_EXIT_CODE,
+    CONTINUE_MARKER,
     SETUP_ERROR_MARKER,
     STORAGE_CONFIG_ENV,
     STORAGE_SECRET_ENV,
@@ -61,13 +70,14 @@ from diloco_serverless.executors.base import (
     ReplicaState,
     ReplicaStatus,
     ShippedCode,
-    check_replica_count,
     collect_by_polling,
+    ranks_to_start,
     run_id_from_url,
     run_url_from,
     setup_error_reason,
     split_secret_env,
 )
+from diloco_serverless.executors.credentials import gcs_key_secret
 
 DEFAULT_IMAGE = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
 #: ``install`` value that ships the running package's code (the default).
@@ -195,6 +205,7 @@ class HFJobsExecutor:
         #: GPUs of the flavor (``"h100x8"`` -> 8): the replica runs one local process per GPU
         #: (``parallel.devices``, set from this by the launcher); None for a CPU flavor
         self.devices_per_replica: int | None = flavor_gpus(flavor)
+        self._timeout_s = timeout_seconds(timeout)
         self.retries, self.install, self.poll_interval_s = retries, install, poll_interval_s
         self.extras = tuple(extras)
         self._code_uploader: CodeUploader | None = None
@@ -257,7 +268,14 @@ class HFJobsExecutor:
             for name in STORAGE_SECRET_ENV:
                 if name in os.environ and name not in resolved:
                     resolved[name] = os.environ[name]
+            for name, value in gcs_key_secret().items():  # a GCS key file travels as its JSON text
+                resolved.setdefault(name, value)
         return resolved
+
+    @property
+    def secret_names(self) -> list[str]:
+        """Names of the secrets every Job gets (their values are never exposed)."""
+        return sorted(self._secrets)
 
     @property
     def namespace(self) -> str:
@@ -297,6 +315,8 @@ class HFJobsExecutor:
             "export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore",
             f'setup_error() {{ echo "{SETUP_ERROR_MARKER}: $1"; exit 0; }}',
         ]
+        if self._timeout_s is not None:  # the Job's cap counts from here, installs included
+            steps.append(f"export DILOCO_ATTEMPT_DEADLINE=$(( $(date +%s) + {self._timeout_s} ))")
         if self.install == LOCAL_CODE:
             if code is None:
                 raise ExecutorError("hf-jobs executor: install='local' needs the shipped code (see ship_code)")
@@ -320,6 +340,7 @@ class HFJobsExecutor:
             "trap 'kill -TERM \"$pid\" 2>/dev/null' TERM INT",
             "while :; do wait \"$pid\"; code=$?; kill -0 \"$pid\" 2>/dev/null || break; done",
             "[ \"$code\" = 2 ] && setup_error 'the replica exited with code 2'",
+            f'[ "$code" = {CONTINUE_EXIT_CODE} ] && {{ echo "{CONTINUE_MARKER}"; exit 0; }}',
             "exit \"$code\"",
         ]
         return ["bash", "-c", "\n".join(steps)]
@@ -330,10 +351,12 @@ class HFJobsExecutor:
         entrypoint: str,
         entrypoint_args: Sequence[str],
         env: Mapping[str, str] | None = None,
+        *,
+        ranks: Sequence[int] | None = None,
     ) -> list[ReplicaHandle]:
-        """Ship the code (``install="local"``), then submit one Job per rank; if a submission fails,
-        cancel the submitted ones and raise."""
-        check_replica_count(n_replicas, self.kind)
+        """Ship the code (``install="local"``), then submit one Job per rank (every rank, or only
+        ``ranks``); if a submission fails, cancel the submitted ones and raise."""
+        chosen = ranks_to_start(n_replicas, ranks, self.kind)
         plain, secret = split_secret_env({**self._forwarded_env, **(env or {})})
         secrets = {**self._secrets, **secret}
         run_id = run_id_from_url(run_url_from(env, entrypoint_args)) or "unnamed"
@@ -341,10 +364,12 @@ class HFJobsExecutor:
         self.shipped_code = code
         if code is not None:
             plain.update({CODE_URL_ENV: code.url, CODE_SHA256_ENV: code.sha256, CODE_VERSION_ENV: code.version})
+        if self._timeout_s is not None:
+            plain[ATTEMPT_TIMEOUT_ENV] = str(self._timeout_s)
         command = self.command(entrypoint, entrypoint_args, code)
         labels = {"diloco-run": label_value(run_id)}
         handles: list[ReplicaHandle] = []
-        for rank in range(n_replicas):
+        for rank in chosen:
             try:
                 job = self._api.run_job(
                     image=self.image, command=command, env={**plain, "REPLICA_RANK": str(rank)},
@@ -412,7 +437,11 @@ class HFJobsExecutor:
                                     reason=f"job {job_id} completed, but its log could not be read to tell a setup "
                                     f"error from a success ({type(exc).__name__})")
             tail = "\n".join(lines)
-            if any(ln.startswith(SETUP_ERROR_MARKER) for ln in lines):
+            if any(ln.startswith(CONTINUE_MARKER) for ln in lines):
+                known = ReplicaState(rank=handle.rank, status=ReplicaStatus.CONTINUE, exit_code=CONTINUE_EXIT_CODE,
+                                     detail=detail, reason=f"job {job_id} stopped before its {self.timeout} timeout "
+                                     "with its state saved; start a fresh Job of this rank to continue")
+            elif any(ln.startswith(SETUP_ERROR_MARKER) for ln in lines):
                 known = ReplicaState(rank=handle.rank, status=ReplicaStatus.FAILED, exit_code=2, detail=detail,
                                      reason=f"setup error, not retried: {setup_error_reason(tail)}")
             else:
@@ -451,6 +480,29 @@ class HFJobsExecutor:
                 errors.append(f"rank {h.rank} (job {h.data.get('job_id')!r}): {why}")
         if errors:
             raise ExecutorError("hf-jobs executor: could not cancel " + "; ".join(errors))
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def timeout_seconds(timeout: int | float | str | None) -> int | None:
+    """A Job ``timeout`` in whole seconds, read as the Jobs API does (a number of seconds, or a string
+    with a unit: ``"90m"``, ``"12h"``, ``"2d"``); None for none. ExecutorUnavailable when unreadable."""
+    if timeout is None or timeout == "":
+        return None
+    try:
+        if isinstance(timeout, str) and timeout.strip()[-1:] in _UNITS:
+            seconds = int(float(timeout.strip()[:-1]) * _UNITS[timeout.strip()[-1]])
+        elif isinstance(timeout, bool):
+            raise ValueError
+        else:
+            seconds = int(float(timeout))
+    except (ValueError, OverflowError):
+        seconds = 0
+    if seconds <= 0:
+        raise ExecutorUnavailable(f"hf-jobs executor: timeout must be seconds above 0 or a string like '90m', "
+                                  f"'12h' or '2d', got {timeout!r}")
+    return seconds
 
 
 def _fetch_source() -> str:

@@ -56,8 +56,8 @@ from diloco_serverless.executors.base import (
     ReplicaResult,
     ReplicaState,
     ReplicaStatus,
-    check_replica_count,
     collect_by_polling,
+    ranks_to_start,
     run_id_from_url,
     run_url_from,
 )
@@ -102,6 +102,10 @@ class LocalProcessExecutor:
         devices_per_replica: run each replica as this many local CPU processes (sets the run's
             ``parallel.devices``; the replica's batch and exchange are split over them). Default: the
             config's ``parallel.devices``.
+        attempt_timeout_s: rehearse a platform's time cap (``-x attempt_timeout_s=S``): every attempt of
+            a replica gets ``DILOCO_ATTEMPT_TIMEOUT_S=S``, stops before it at a round boundary with its
+            state saved (exit code 75) and the supervisor starts the next attempt at once, without
+            using a retry. Nothing kills a replica at S; None (default): no deadline.
     """
 
     kind = "local"
@@ -116,6 +120,7 @@ class LocalProcessExecutor:
         cancel_grace_s: float = 10.0,
         poll_interval_s: float = 0.5,
         devices_per_replica: int | str | None = None,
+        attempt_timeout_s: float | None = None,
     ) -> None:
         if retries < 0:
             raise ValueError(f"local executor: retries must be >= 0, got {retries}")
@@ -126,6 +131,13 @@ class LocalProcessExecutor:
                                  f"per replica), got {devices_per_replica!r}")
             devices_per_replica = int(text)
         self.devices_per_replica: int | None = devices_per_replica
+        if attempt_timeout_s is not None and (
+            isinstance(attempt_timeout_s, bool) or not isinstance(attempt_timeout_s, (int, float))
+            or not 0 < attempt_timeout_s < float("inf")
+        ):
+            raise ValueError(f"local executor: attempt_timeout_s must be a number of seconds above 0 (or None for "
+                             f"no deadline), got {attempt_timeout_s!r}")
+        self.attempt_timeout_s = None if attempt_timeout_s is None else float(attempt_timeout_s)
         self.retries = retries
         self.log_dir = Path(log_dir).expanduser().resolve() if log_dir is not None else None
         self.python = python or sys.executable
@@ -159,23 +171,26 @@ class LocalProcessExecutor:
         entrypoint: str,
         entrypoint_args: Sequence[str],
         env: Mapping[str, str] | None = None,
+        *,
+        ranks: Sequence[int] | None = None,
     ) -> list[ReplicaHandle]:
-        """Start one supervisor (and so one replica) per rank; returns once all are started.
+        """Start one supervisor (and so one replica) per rank (every rank, or only ``ranks``); returns
+        once all are started.
 
         If starting rank k fails, the ranks already started are cancelled and ExecutorError is raised.
         """
-        check_replica_count(n_replicas, self.kind)
+        chosen = ranks_to_start(n_replicas, ranks, self.kind)
         run_url = run_url_from(env, entrypoint_args)
         log_dir = self.log_dir or default_log_dir(run_url)
         log_dir.mkdir(parents=True, exist_ok=True)
         cmd = [self.python, "-m", entrypoint, *map(str, entrypoint_args)]
         handles: list[ReplicaHandle] = []
         try:
-            for rank in range(n_replicas):
+            for rank in chosen:
                 handles.append(self._launch_one(rank, cmd, log_dir, run_url, env or {}))
         except OSError as exc:
             self.cancel(handles)
-            raise ExecutorError(f"local executor: could not start rank {len(handles)}: {exc}") from exc
+            raise ExecutorError(f"local executor: could not start rank {chosen[len(handles)]}: {exc}") from exc
         return handles
 
     def _launch_one(
@@ -187,6 +202,7 @@ class LocalProcessExecutor:
         sup_cmd = [
             self.python, "-m", SUPERVISOR_MODULE, "--rank", str(rank), "--retries", str(self.retries),
             "--restart-delay-s", str(self.restart_delay_s), "--log", str(log_path), "--state", str(state_path),
+            *(["--attempt-timeout-s", repr(self.attempt_timeout_s)] if self.attempt_timeout_s is not None else []),
             "--", *cmd,
         ]
         child_env = {**os.environ, **{k: str(v) for k, v in env.items()}}

@@ -28,8 +28,16 @@ so Modal does not retry it, and is ``failed`` with the replica's ``error:`` line
 is ``failed`` ("timed out"); a cancelled call is ``cancelled``. A call waiting for a container is
 ``pending`` and one with a container ``running`` (from ``FunctionCall.get_call_graph``); when Modal
 cannot say, or no longer keeps the result (``OutputExpiredError``), the state is ``unknown`` with the
-reason, and callers defer to the replica's heartbeat in the store. Modal does not tell a container
-its retry number, so ``DILOCO_ATTEMPT`` is not set remotely.
+reason, and callers defer to the replica's heartbeat in the store.
+
+Runs longer than a call's cap (``timeout_s``, at most 24 h): each call tells its replica the call's
+deadline (its start + ``timeout_s``), the replica stops before it with its state saved (exit code
+75), and the call starts the next call of the same function itself and returns ``{"exit_code": 75,
+"next_call_id": "fc-..."}`` (see :mod:`~diloco_serverless.executors._remote`): a chain of calls per
+rank, none of which uses a retry. The handle keeps the first call; ``poll``, ``logs`` and ``cancel``
+follow ``next_call_id`` to the latest (each id checked, at most :data:`MAX_CHAIN_CALLS` calls).
+Modal does not tell a container its retry number, so ``DILOCO_ATTEMPT`` is the call's place in the
+chain (a retried call keeps its number).
 """
 
 from __future__ import annotations
@@ -49,20 +57,22 @@ from diloco_serverless.config import RUN_KEY_ENV
 from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors import _package
 from diloco_serverless.executors._package import DIST_NAME, IMPORT_NAME, package_requirements, source_checkout_root
-from diloco_serverless.executors._remote import run_replica_process
+from diloco_serverless.executors._remote import CALL_TIMEOUT_ENV, FUNCTION_ID_ENV, run_replica_process
 from diloco_serverless.executors.base import (
+    CONTINUE_EXIT_CODE,
     SETUP_ERROR_EXIT_CODE,
     ExecutorUnavailable,
     ReplicaHandle,
     ReplicaResult,
     ReplicaState,
     ReplicaStatus,
-    check_replica_count,
     collect_by_polling,
+    ranks_to_start,
     run_id_from_url,
     run_url_from,
     split_secret_env,
 )
+from diloco_serverless.executors.credentials import storage_config_env
 
 __all__ = ["DIST_NAME", "ModalExecutor", "build_app", "default_image", "function_options", "normalize_gpu",
            "package_requirements", "ships_local_source", "source_checkout_root"]
@@ -76,6 +86,8 @@ MODAL_GPUS = ("T4", "L4", "A10", "A10G", "A100", "A100-40GB", "A100-80GB", "L40S
 MAX_TIMEOUT_S = 24 * 3600
 MAX_RETRIES = 10
 _CALL_ID = re.compile(r"^fc-[A-Za-z0-9]{1,64}$")
+#: the most calls a replica's chain may have (a 24 h cap: 1000 days; a 1 h cap: 41 days)
+MAX_CHAIN_CALLS = 1000
 
 
 def import_modal() -> Any:
@@ -173,6 +185,30 @@ def build_app(modal: Any, *, app_name: str, image: Any, gpu: str | None, secrets
     return app, fn
 
 
+def lookup_secrets(modal: Any, names: Sequence[str], environment_name: str | None = None) -> None:
+    """Look each named Modal Secret up (one request each) before anything is created or billed.
+
+    Raises ExecutorUnavailable naming the first secret Modal does not have (with the
+    ``modal secret create`` command that makes it) or that could not be looked up."""
+    for name in names:
+        where = {"environment_name": environment_name} if environment_name else {}
+        try:
+            modal.Secret.from_name(name, **where).hydrate()
+        except modal.exception.NotFoundError:
+            env_flag = f" --env {environment_name}" if environment_name else ""
+            raise ExecutorUnavailable(
+                f"modal executor: there is no Modal Secret named {name!r}"
+                f"{f' in environment {environment_name!r}' if environment_name else ''}; create it with "
+                f"`modal secret create{env_flag} {name} AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...` "
+                f"(GCS: GOOGLE_APPLICATION_CREDENTIALS_JSON=\"$(cat key.json)\") or fix the name in --secret"
+            ) from None
+        except Exception as exc:  # auth, network: the launch cannot go on either way
+            raise ExecutorUnavailable(
+                f"modal executor: could not look up the Modal Secret {name!r} ({type(exc).__name__}: "
+                f"{str(exc).strip()[:200]}); check `modal token info` and your network"
+            ) from None
+
+
 class ModalExecutor:
     """Launch replicas as Modal function calls on GPUs.
 
@@ -241,6 +277,8 @@ class ModalExecutor:
             "extras": tuple(extras), "package": package, "local_source": local_source, "python_version": python_version,
         }
         self.poll_interval_s, self.show_output = poll_interval_s, bool(show_output)
+        #: first call id -> (latest call id, its index) of each rank's chain of calls seen so far
+        self._chains: dict[str, tuple[str, int]] = {}
 
     @classmethod
     def from_handle(cls, handle: ReplicaHandle, *, run_url: str | None = None, **options: Any) -> ModalExecutor:
@@ -276,10 +314,14 @@ class ModalExecutor:
         entrypoint: str,
         entrypoint_args: Sequence[str],
         env: Mapping[str, str] | None = None,
+        *,
+        ranks: Sequence[int] | None = None,
     ) -> list[ReplicaHandle]:
-        """Spawn one call of ``run_replica`` per rank in a detached App (or the deployed one)."""
-        check_replica_count(n_replicas, self.kind)
-        plain, dropped = split_secret_env(env)
+        """Spawn one call of ``run_replica`` per rank (every rank, or only ``ranks``) in a detached App
+        (or the deployed one)."""
+        chosen = ranks_to_start(n_replicas, ranks, self.kind)
+        # endpoints and regions (R2, MinIO) reach the replicas as plain settings; credentials never do
+        plain, dropped = split_secret_env({**storage_config_env(), **(env or {})})
         if RUN_KEY_ENV in dropped:
             # The run key is made for this run alone and must reach every replica: it travels in the
             # call's inputs (Modal keeps those with the call, never in an image, a log or the store).
@@ -292,17 +334,17 @@ class ModalExecutor:
         args = [str(a) for a in entrypoint_args]
         with self._output():
             if app is None:
-                calls = self._spawn_all(fn, n_replicas, entrypoint, args, plain)
+                calls = self._spawn_all(fn, chosen, entrypoint, args, plain)
                 app_id, app_name = None, self.deployed_app
             else:
                 with app.run(detach=True, environment_name=self.environment_name):
-                    calls = self._spawn_all(fn, n_replicas, entrypoint, args, plain)
+                    calls = self._spawn_all(fn, chosen, entrypoint, args, plain)
                     app_id, app_name = app.app_id, app.name
         return [
             ReplicaHandle(kind=self.kind, rank=rank, data={
                 "function_call_id": fc.object_id, "app_id": app_id, "app_name": app_name, "gpu": self.gpu,
                 "run_id": run_id})
-            for rank, fc in enumerate(calls)
+            for rank, fc in zip(chosen, calls)
         ]
 
     @contextlib.contextmanager
@@ -325,9 +367,10 @@ class ModalExecutor:
         finally:
             modal_logger.removeFilter(quiet)
 
-    def _spawn_all(self, fn: Any, n: int, entrypoint: str, args: list[str], env: dict[str, str]) -> list[Any]:
+    def _spawn_all(self, fn: Any, ranks: list[int], entrypoint: str, args: list[str], env: dict[str, str]) -> list[Any]:
         calls: list[Any] = []
-        for rank in range(n):
+        env = {**env, **self._chain_env(fn)}
+        for rank in ranks:
             try:
                 calls.append(fn.spawn(rank, entrypoint, args, env))
             except Exception as exc:
@@ -338,6 +381,18 @@ class ModalExecutor:
                     "already spawned"
                 ) from exc
         return calls
+
+    def _chain_env(self, fn: Any) -> dict[str, str]:
+        """What a call needs to tell its replica the deadline and to start the next call of its chain:
+        the function's timeout, the chain index 0 and the function's object id."""
+        env = {CALL_TIMEOUT_ENV: str(self.timeout_s), "DILOCO_ATTEMPT": "0"}
+        function_id = _function_id(fn)
+        if function_id is None:
+            logger.warning("modal executor: the function has no object id here; replicas reaching the %d s timeout "
+                           "will be retried instead of continued in a fresh call", self.timeout_s)
+        else:
+            env[FUNCTION_ID_ENV] = function_id
+        return env
 
     # --- observe ----------------------------------------------------------------------------
     def _call_id(self, handle: ReplicaHandle) -> str:
@@ -350,21 +405,72 @@ class ModalExecutor:
         return call_id
 
     def _call(self, handle: ReplicaHandle) -> Any:
-        return self._modal.FunctionCall.from_id(self._call_id(handle))
+        """The latest call of ``handle``'s chain (see :meth:`_latest`)."""
+        return self._modal.FunctionCall.from_id(self._latest(handle)[0])
+
+    def _chain_tail(self, handle: ReplicaHandle) -> tuple[str, int]:
+        """``(call id, index)`` of the newest call of the rank's chain this executor has seen."""
+        first = self._call_id(handle)
+        return self._chains.get(first, (first, 0))
+
+    def _link(self, handle: ReplicaHandle, next_id: object, index: int) -> tuple[str, int]:
+        """Record that call ``index`` of the chain handed over to ``next_id``; ExecutorError when that is
+        not a Modal call id or the chain is longer than MAX_CHAIN_CALLS."""
+        if not isinstance(next_id, str) or not _CALL_ID.match(next_id):
+            raise ExecutorError(f"modal executor: rank {handle.rank}'s call {index} of its chain returned "
+                                f"next_call_id={next_id!r}, not a Modal call id (fc-...); refusing to follow it")
+        if index + 1 >= MAX_CHAIN_CALLS:
+            raise ExecutorError(f"modal executor: rank {handle.rank}'s chain of calls is longer than "
+                                f"{MAX_CHAIN_CALLS}; not following it further (raise timeout_s)")
+        self._chains[self._call_id(handle)] = (next_id, index + 1)
+        return next_id, index + 1
+
+    def _latest(self, handle: ReplicaHandle) -> tuple[str, int]:
+        """``(call id, index)`` of the latest call of the rank's chain: follows ``next_call_id`` from
+        every call that ended handing over (``exit_code`` 75), at most MAX_CHAIN_CALLS."""
+        call_id, index = self._chain_tail(handle)
+        for _ in range(MAX_CHAIN_CALLS):
+            try:
+                result = self._modal.FunctionCall.from_id(call_id).get(timeout=0)
+            except (Exception, self._modal.exception.InputCancellation):  # running, failed, cancelled, expired:
+                break  # it is the latest (InputCancellation is a BaseException)
+            next_id = _next_call_id(result)
+            if next_id is None:
+                break
+            call_id, index = self._link(handle, next_id, index)
+        return call_id, index
 
     def poll(self, handles: Sequence[ReplicaHandle]) -> list[ReplicaState]:
-        """``FunctionCall.get(timeout=0)`` per rank, with Modal's outcomes mapped to states."""
+        """``FunctionCall.get(timeout=0)`` per rank (of the latest call of its chain), with Modal's
+        outcomes mapped to states."""
         return [self._state(h) for h in handles]
 
     def _state(self, handle: ReplicaHandle) -> ReplicaState:
+        """The state of the latest call of the rank's chain: a call that handed over to a next one
+        (``continue`` with ``next_call_id``) is followed, at most MAX_CHAIN_CALLS calls."""
+        while True:
+            call_id, index = self._chain_tail(handle)
+            state = self._call_state(handle, call_id, index)
+            if state.status is not ReplicaStatus.CONTINUE or "next_call_id" not in state.detail:
+                return state
+            try:
+                self._link(handle, state.detail["next_call_id"], index)
+            except ExecutorError as exc:  # _link bounds the loop
+                return ReplicaState(rank=handle.rank, status=ReplicaStatus.FAILED, attempt=index,
+                                    reason=str(exc).removeprefix("modal executor: "), detail=dict(state.detail))
+
+    def _call_state(self, handle: ReplicaHandle, call_id: str, index: int) -> ReplicaState:
+        """The state of call ``index`` of the rank's chain; a call that ended handing over to the next
+        one is ``continue`` with ``next_call_id`` in its detail."""
         exc_mod = self._modal.exception
-        rank, detail = handle.rank, {"function_call_id": self._call_id(handle)}
+        rank, detail = handle.rank, {"function_call_id": call_id, "chain_index": index}
 
         def state(status: ReplicaStatus, reason: str | None = None, code: int | None = None,
                   **more: Any) -> ReplicaState:
-            return ReplicaState(rank=rank, status=status, reason=reason, exit_code=code, detail={**detail, **more})
+            return ReplicaState(rank=rank, status=status, reason=reason, exit_code=code, attempt=index,
+                                detail={**detail, **more})
 
-        call = self._call(handle)
+        call = self._modal.FunctionCall.from_id(call_id)
         try:
             result = call.get(timeout=0)
         except exc_mod.FunctionTimeoutError as exc:
@@ -390,6 +496,13 @@ class ModalExecutor:
         code = result.get("exit_code", 0) if isinstance(result, Mapping) else 0
         if code in (0, None):
             return state(ReplicaStatus.SUCCEEDED, code=0)
+        if code == CONTINUE_EXIT_CODE:
+            next_id = _next_call_id(result)
+            if next_id is None:  # no next call: whoever waits on the run starts a fresh attempt
+                return state(ReplicaStatus.CONTINUE, "stopped before the call's deadline with its state saved; "
+                             "start a fresh attempt of this rank", CONTINUE_EXIT_CODE)
+            return state(ReplicaStatus.CONTINUE, f"continued in call {next_id}", CONTINUE_EXIT_CODE,
+                         next_call_id=next_id)
         why = str(result.get("reason") or f"exited with code {code}")
         if code == SETUP_ERROR_EXIT_CODE:
             why = f"setup error, not retried: {why}"
@@ -418,20 +531,57 @@ class ModalExecutor:
         return collect_by_polling(self, handles, timeout, poll_interval_s=self.poll_interval_s)
 
     def logs(self, handle: ReplicaHandle, tail: int | None = 200) -> str:
-        """The last ``tail`` log lines of the call (``FunctionCall.logs.tail``)."""
+        """The last ``tail`` log lines of the latest call of the rank's chain (``FunctionCall.logs.tail``)."""
         entries = self._call(handle).logs.tail(entries=tail or 10_000)
         return "\n".join(str(getattr(e, "message", e)).rstrip("\n") for e in entries)
 
     def cancel(self, handles: Sequence[ReplicaHandle]) -> None:
-        """``FunctionCall.cancel(terminate_containers=True)`` for every rank; errors name the rank."""
+        """``FunctionCall.cancel(terminate_containers=True)`` of the latest call of every rank's chain
+        (again for a call that the cancelled one started meanwhile); errors name the rank."""
         errors = []
         for h in handles:
             try:
-                self._call(h).cancel(terminate_containers=True)
+                self._cancel_chain(h)
             except Exception as exc:
                 errors.append(f"rank {h.rank} ({h.data.get('function_call_id')}): {exc}")
         if errors:
             raise ExecutorError("modal executor: could not cancel " + "; ".join(errors))
+
+
+    def _cancel_chain(self, handle: ReplicaHandle) -> None:
+        cancelled: set[str] = set()
+        for _ in range(3):  # a call handing over while cancelled: its successor is cancelled as well
+            call_id, _index = self._latest(handle)
+            if call_id in cancelled:
+                return
+            self._modal.FunctionCall.from_id(call_id).cancel(terminate_containers=True)
+            cancelled.add(call_id)
+
+
+def _function_id(fn: Any) -> str | None:
+    """The object id (``fu-...``) of a Modal function, hydrating it if needed; None when it has none."""
+    for attempt in range(2):
+        try:
+            value = fn.object_id
+        except Exception:
+            value = None
+        if isinstance(value, str) and value:
+            return value
+        hydrate = getattr(fn, "hydrate", None)
+        if attempt or not callable(hydrate):
+            return None
+        try:
+            hydrate()
+        except Exception:
+            return None
+    return None
+
+
+def _next_call_id(result: object) -> object:
+    """The ``next_call_id`` of a call's result that handed over to a next call (exit code 75), else None."""
+    if isinstance(result, Mapping) and result.get("exit_code") == CONTINUE_EXIT_CODE:
+        return result.get("next_call_id")
+    return None
 
 
 class _DropMessage(logging.Filter):

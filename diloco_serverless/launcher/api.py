@@ -8,12 +8,15 @@
     print(summary.eval_loss, summary.final_url)
 
 A run lives in the store (``<store>/<run_id>``), so ``Run.attach(url)`` in another process sees
-the same status, logs and handles, and can cancel it. ``launch`` checks everything it can *before*
+the same status, logs and handles, and can cancel it. ``resume(url)`` (``Run.resume()``, ``diloco
+resume``) starts again the ranks that are not running, on the same executor or another, from the
+machine that holds the run key; they heal from the store and go on. ``launch`` checks everything it can *before*
 creating the run or starting a replica (see :mod:`diloco_serverless.launcher.preflight`): executor and GPU
 type, SDK and tokens, the store (a probe object is written, read back and deleted), the config.
 
 Failure: bad input raises :class:`LaunchError` (a ``ValueError``) with a one-line fix and leaves
-nothing behind; a replica that fails for good makes :meth:`Run.wait` raise :class:`RunFailed`
+nothing behind (once a replica has started, a failure cancels what was started, or names the
+handles to cancel by hand); a replica that fails for good makes :meth:`Run.wait` raise :class:`RunFailed`
 naming the rank and reason; :meth:`Run.wait` with ``max_usd`` cancels the run and raises
 :class:`BudgetExceeded` before the estimate crosses the budget. Every store operation made for a
 run is bounded by the run's ``store_timeout_s`` (or ``Run.attach(..., store_timeout_s=...)``), so an
@@ -37,9 +40,17 @@ from diloco_serverless.errors import DilocoError, LaunchError, one_line
 from diloco_serverless.executors.base import ServerlessExecutor
 from diloco_serverless.executors.registry import executor_from_launch, executor_kind
 from diloco_serverless.launcher import pricing
+from diloco_serverless.launcher.attempt_plan import attempt_cap, cap_plan
 from diloco_serverless.launcher.hub import check_push_ready, push_final, tokens_trained
+from diloco_serverless.launcher.launches import current_launches, merge_launches, new_launch_id, of_launch
 from diloco_serverless.launcher.plot import as_number, curves, plot_losses
-from diloco_serverless.launcher.preflight import check_launch, check_max_usd, resolve_config, with_executor_devices
+from diloco_serverless.launcher.preflight import (
+    check_launch,
+    check_max_usd,
+    check_trust_remote_code,
+    resolve_config,
+    with_executor_devices,
+)
 from diloco_serverless.launcher.replicas import (
     executor_cancel,
     executor_logs,
@@ -47,10 +58,20 @@ from diloco_serverless.launcher.replicas import (
     launch_replicas,
     poll_states,
 )
+from diloco_serverless.launcher.resume import (
+    live_ranks,
+    missing_key_message,
+    ranks_to_resume,
+    record_or_cancel,
+    resume_executor,
+)
 from diloco_serverless.launcher.status import (
     CANCELLED,
+    CONTINUE,
     FAILED,
     TERMINAL,
+    RankStarts,
+    ReplicaReport,
     RunStatus,
     billed_seconds,
     build_replica,
@@ -64,7 +85,7 @@ from diloco_serverless.run.layout import (
     log_key,
     metrics_prefix,
 )
-from diloco_serverless.run.members import read_members
+from diloco_serverless.run.members import Heartbeat, read_members
 from diloco_serverless.run.record import (
     RunRecord,
     create_run,
@@ -73,13 +94,14 @@ from diloco_serverless.run.record import (
     store_policy,
     timeout_policy,
 )
+from diloco_serverless.run.starts import StartRecord, read_starts
 from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.tracking import Tracker, TrackingError, check_backends
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["launch", "Run", "LaunchError", "RunFailed", "BudgetExceeded"]
+__all__ = ["launch", "resume", "Run", "LaunchError", "RunFailed", "BudgetExceeded"]
 
 #: A running replica whose heartbeat is older than this (or than 3 rounds' wall time, when rounds
 #: are slower) is shown as ``stale``: heartbeats are written once per round.
@@ -113,7 +135,12 @@ class Run:
         self._executor = executor
         self._executor_error = executor_error
         self._metrics_cache: dict[str, dict[str, Any]] = {}
+        self._starts_cache: dict[str, StartRecord | None] = {}  # start records never change: read once
+        self._trust_remote_code = False  # the launcher's word on remote code, for the ranks it starts again
         self._last_metrics: dict[int, list[dict[str, Any]]] = {}  # what the latest status() read
+        #: What preflight warned about at launch (a session token that expires, admin credentials...):
+        #: ``diloco launch`` prints them; empty for an attached run.
+        self.notes: list[str] = []
 
     # ------------------------------------------------------------------ identity
     @property
@@ -226,11 +253,15 @@ class Run:
         train, eval_curve = curves(metrics)
         walls = [as_number(recs[-1].get("wall_s")) or 0.0 for recs in metrics.values() if recs]
         stale_after_s = max([STALE_AFTER_S, *(3.0 * w for w in walls)])
+        heartbeats = read_members(self._store)
         members = {r: _outer(hb.to_json_dict(), self.config.exchange.fragments, train.get(r))
-                   for r, hb in read_members(self._store).items()}
+                   for r, hb in heartbeats.items()}
         states = poll_states(self._executor, self.handles) if self.handles else {}
         n = self.config.replicas
-        replicas = [build_replica(r, states.get(r), members.get(r), now, stale_after_s) for r in range(n)]
+        starts = self._rank_starts(heartbeats)
+        final = self._has_final()
+        replicas = [build_replica(r, states.get(r), members.get(r), now, stale_after_s, starts=starts.get(r),
+                                  final=final) for r in range(n)]
         start = _launched_at(self.record)
         elapsed = max(0.0, now - start) if start is not None and self.handles else 0.0
         ages = [r.heartbeat_age_s for r in replicas if r.heartbeat_age_s is not None]
@@ -238,15 +269,32 @@ class Run:
             elapsed = max(0.0, elapsed - min(ages))  # a finished run's wall time ends at its last heartbeat
         price = self.usd_per_replica_hour
         est = None if price is None else price * sum(billed_seconds(replicas, elapsed)) / 3600.0
-        final = f"{self.url}/{FINAL_PREFIX}" if self._has_final() else None
+        final_url = f"{self.url}/{FINAL_PREFIX}" if final else None
         return RunStatus(
             run_id=self.run_id, url=self.url, executor=self.executor_kind, gpu=self.gpu,
             rounds_total=self.config.rounds, replicas=replicas,
             state=run_state(replicas, self.config.effective_min_replicas), elapsed_s=elapsed,
-            est_usd=est, eval_loss=eval_curve[-1][1] if eval_curve else None, final_url=final,
+            est_usd=est, eval_loss=eval_curve[-1][1] if eval_curve else None, final_url=final_url,
             devices_per_replica=self.config.parallel.devices,
             failures=[(r.rank, r.reason or r.state) for r in replicas if r.state == FAILED],
         )
+
+    def _rank_starts(self, heartbeats: dict[int, Heartbeat]) -> dict[int, RankStarts]:
+        """Each rank's launches (run.json) matched with its start records and heartbeat (see RankStarts)."""
+        records = read_starts(self._store, key=self._run_key, cache=self._starts_cache)
+        launches = current_launches(self.record.launch)
+        out: dict[int, RankStarts] = {}
+        for rank in range(self.config.replicas):
+            mine, hb = records.get(rank, []), heartbeats.get(rank)
+            if rank not in launches:
+                out[rank] = RankStarts(len(mine), mine[0].time if mine else None, bool(mine) or hb is not None)
+                continue
+            current, billed_before = launches[rank]
+            own = of_launch(mine, current)
+            hb_current = hb is not None and hb.time is not None and (
+                current.launched_at is None or hb.time >= current.launched_at)
+            out[rank] = RankStarts(len(mine), own[0].time if own else None, bool(own) or hb_current, billed_before)
+        return out
 
     def _has_final(self) -> bool:
         return bool(self._store.list(FINAL_PREFIX + "/"))
@@ -357,6 +405,66 @@ class Run:
             raise LaunchError(f"cannot cancel {self.url}: {self._executor_error or 'no executor'}")
         executor_cancel(self._executor, self.handles)
 
+    def resume(self, executor: ServerlessExecutor | str | None = None, *, gpu: str | None = None,
+               executor_options: dict[str, Any] | None = None, trust_remote_code: bool | None = None,
+               ranks: Sequence[int] | None = None) -> list[int]:
+        """Start again the ranks that are not running (failed, cancelled, to ``continue``, unknown, or
+        never started), or exactly ``ranks``; return the ranks started. They heal from the store.
+
+        ``executor`` is a kind ("local", "modal", "hf-jobs") built with ``gpu`` and ``executor_options``
+        (the launch checks apply), an executor object, or None for the one run.json records (its GPU;
+        options such as secrets are not recorded, pass them again). Another kind than the recorded one
+        is refused while ranks of the run are still alive on the first. ``trust_remote_code`` confirms
+        ``model.trust_remote_code`` again (None: what this handle was launched with).
+
+        The new handles replace their ranks' in run.json; the older ones stay in its ``attempts``
+        (:mod:`diloco_serverless.launcher.launches`) with the seconds they were billed. LaunchError, with
+        nothing started, when this machine lacks the run key, the run already succeeded, nothing is to
+        be resumed, or the executor cannot start some ranks (a custom one without ``ranks``).
+        """
+        if self._run_key is None:
+            raise LaunchError(missing_key_message(self.url))
+        trust = self._trust_remote_code if trust_remote_code is None else trust_remote_code
+        check_trust_remote_code(self.config, trust)
+        self.refresh()
+        status = self.status(with_metrics=False)
+        handled = [handle_rank(h) for h in self.handles]
+        chosen = ranks_to_resume(status, handled, ranks)
+        ex, kind, gpu = resume_executor(
+            executor, recorded=self._executor, recorded_kind=self.executor_kind, recorded_gpu=self.gpu,
+            recorded_error=self._executor_error, gpu=gpu, options=executor_options, store_url=self.config.store,
+            n_ranks=len(chosen))
+        same_kind = kind == self.executor_kind
+        alive = live_ranks(status, chosen)
+        if not same_kind and alive and self.handles:
+            states = ", ".join(f"rank {r} {status.replicas[r].state}" for r in alive)
+            raise LaunchError(
+                f"rank(s) {alive} of run {self.run_id} are still alive ({states}) on the {self.executor_kind} "
+                f"executor; resume on it (drop --executor), or `diloco cancel {self.url}` first to move the whole run"
+            )
+        billed = {r.rank: _own_billed(r, status.elapsed_s) for r in status.replicas if r.rank in chosen}
+        launch_id, started_at = new_launch_id(), time.time()
+        _ship_code_through(self._store, ex)
+        try:
+            handles = launch_replicas(ex, self.config.replicas, self.url, run_key=self._run_key.hex(),
+                                      trust_remote_code=trust, launch_id=launch_id, ranks=chosen)
+        except LaunchError:
+            raise
+        except Exception as e:
+            raise LaunchError(f"resuming rank(s) {chosen} of {self.url} failed: {one_line(str(e))}") from e
+        previous = self.record.launch if same_kind else {**(self.record.launch or {}), "handles": []}
+        all_handles, attempts = merge_launches(previous, kind, handles, launch_id, started_at, billed)
+        if not same_kind:  # only this executor's handles: status polls them with it, the rest from heartbeats
+            all_handles = [h for h in all_handles if h.get("kind", kind) == kind and handle_rank(h) in chosen]
+        shipped = getattr(ex, "shipped_code", None)
+        key = self._run_key
+        self.record = record_or_cancel(ex, kind, handles, self.url, lambda: record_launch(
+            self._store, kind, all_handles, gpu=gpu, replicas=self.config.replicas,
+            usd_per_replica_hour=_price_of(kind, gpu, ex), key=key, launch_id=launch_id, attempts=attempts,
+            resumed=chosen, **({"code": shipped.to_json()} if shipped is not None else {})))
+        self._executor, self._executor_error, self._trust_remote_code = ex, None, trust
+        return chosen
+
     def wait(self, *, timeout_s: float | None = None, poll_interval_s: float = 2.0,
              on_update: Callable[[RunStatus], None] | None = None,
              max_usd: float | None = None, track: bool = True) -> RunStatus:
@@ -370,6 +478,9 @@ class Run:
         With ``track`` (default) and ``tracking.backends`` in the config, every poll also logs the
         rounds finished since the last one to those trackers, and the end of the run their summary
         (:mod:`diloco_serverless.tracking`); a tracker that fails is dropped with a warning.
+
+        A rank in state ``continue`` (it stopped before its platform's time cap with its state saved) is
+        started again through :meth:`resume`, in a fresh attempt that does not count as a failure.
         """
         if max_usd is not None:
             max_usd = check_max_usd(max_usd, "max_usd")  # NaN, inf or <= 0 would disable the guard
@@ -383,6 +494,10 @@ class Run:
         try:
             while True:
                 status = self.status()
+                continuing = [r.rank for r in status.replicas if r.state == CONTINUE]
+                if continuing:
+                    self.resume(ranks=continuing)
+                    status = self.status()
                 if on_update is not None:
                     on_update(status)
                 if tracker is not None:
@@ -401,6 +516,14 @@ class Run:
         finally:
             if tracker is not None:
                 tracker.finish(self.tracking_summary(status) if status is not None and status.done else None)
+
+    def attempt_plan(self, status: RunStatus) -> str | None:
+        """One line of plan when, at the pace of ``status``, the run will outlast one attempt of its
+        executor (Modal's 24 h call timeout, the HF Job timeout): how many attempts and who starts them.
+        None when it will not, or when the executor or the pace is unknown."""
+        done = status.round or 0
+        return cap_plan(attempt_cap(self._executor), self.executor_kind, rounds_total=self.config.rounds,
+                        rounds_done=done, elapsed_s=status.elapsed_s)
 
     @property
     def usd_per_replica_hour(self) -> float | None:
@@ -433,6 +556,11 @@ def _outer(heartbeat: dict[str, Any], fragments: int, train_curve: list[tuple[fl
     if hb.get("loss") is None and train_curve:
         hb["loss"] = train_curve[-1][1]
     return hb
+
+
+def _own_billed(replica: ReplicaReport, elapsed_s: float) -> float:
+    """Seconds ``replica``'s current launch was billed (without its earlier launches)."""
+    return max(0.0, billed_seconds([replica], elapsed_s)[0] - replica.billed_before_s)
 
 
 def _over_budget(status: RunStatus, usd_per_hour: float, horizon_s: float, max_usd: float) -> bool:
@@ -526,15 +654,38 @@ def launch(config: RunConfig | str | Path | None = None, executor: ServerlessExe
     run_store, record = create_run(plan.root, cfg, key=key)
     save_local_key(run_store.url, key_hex)
     kind = executor_kind(plan.executor, plan.kind)
+    launch_id, started_at = new_launch_id(), time.time()
     _ship_code_through(run_store, plan.executor)
     try:
         handles = launch_replicas(plan.executor, cfg.replicas, run_store.url, run_key=key_hex,
-                                  trust_remote_code=trust_remote_code)
+                                  trust_remote_code=trust_remote_code, launch_id=launch_id)
     except Exception as e:
-        record_launch(run_store, kind, [], gpu=plan.gpu, error=one_line(str(e))[:500], key=key)
+        try:
+            record_launch(run_store, kind, [], gpu=plan.gpu, error=one_line(str(e))[:500], key=key)
+        except Exception as rec:  # the launch error is what the user needs; the record is a nicety
+            logger.warning("could not record the failed launch of %s: %s", run_store.url, one_line(str(rec)))
         raise LaunchError(f"launching replicas of {run_store.url} failed: {one_line(str(e))}") from e
+    # from here on replicas run (and bill): any failure cancels them (resume.record_or_cancel)
     shipped = getattr(plan.executor, "shipped_code", None)
-    record = record_launch(run_store, kind, handles, gpu=plan.gpu, replicas=cfg.replicas,
-                           usd_per_replica_hour=_price_of(kind, plan.gpu, plan.executor), key=key,
-                           **({"code": shipped.to_json()} if shipped is not None else {}))
-    return Run(run_store, record, plan.executor, run_key=key)
+    all_handles, attempts = merge_launches(None, kind, handles, launch_id, started_at)
+    record = record_or_cancel(plan.executor, kind, handles, run_store.url, lambda: record_launch(
+        run_store, kind, all_handles, gpu=plan.gpu, replicas=cfg.replicas,
+        usd_per_replica_hour=_price_of(kind, plan.gpu, plan.executor), key=key, launch_id=launch_id,
+        attempts=attempts, **({"code": shipped.to_json()} if shipped is not None else {})))
+    run = Run(run_store, record, plan.executor, run_key=key)
+    run._trust_remote_code = trust_remote_code
+    run.notes = list(plan.warnings)
+    return run
+
+
+def resume(run_url: str, executor: ServerlessExecutor | str | None = None, *, gpu: str | None = None,
+           executor_options: dict[str, Any] | None = None, storage_options: dict[str, Any] | None = None,
+           store_timeout_s: float | None = None, trust_remote_code: bool = False,
+           ranks: Sequence[int] | None = None) -> Run:
+    """Open the run at ``run_url`` and start again its ranks that are not running (see :meth:`Run.resume`);
+    return the Run, to :meth:`Run.wait` on. Needs this machine to hold the run key (LaunchError saying
+    where it lives otherwise); ``store_timeout_s`` bounds each store operation as in :meth:`Run.attach`."""
+    run = Run.attach(run_url, storage_options=storage_options, store_timeout_s=store_timeout_s)
+    run.resume(executor, gpu=gpu, executor_options=executor_options, trust_remote_code=trust_remote_code,
+               ranks=ranks)
+    return run

@@ -4,7 +4,9 @@ In order, cheapest first: the config and overrides, ``--replicas``, the executor
 whether the store is reachable from where the replicas run, for local replicas whether this machine
 can hold that many (4 per usable core and ~512 MiB of available memory each; ``-x oversubscribe=true``
 skips the check), the executor's SDK and tokens (its
-constructor checks them), a probe object written, read back and deleted in the store, and that the
+constructor checks them), a probe object written, read back and deleted in the store, that remote
+replicas will get credentials for the store (:mod:`~diloco_serverless.launcher.credentials`: HF Jobs
+secrets, Modal Secrets looked up; its warnings land in :attr:`LaunchPlan.warnings`), and that the
 run id is free. Each failure is a :class:`LaunchError` whose message is one line naming the bad
 value and the fix; nothing has been created when it is raised (the probe object is removed). Every
 store operation is bounded by the config's ``store_timeout_s``, so a store that never answers fails
@@ -17,7 +19,7 @@ import math
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from diloco_serverless.executors.registry import (
     executor_kind,
 )
 from diloco_serverless.launcher import pricing
+from diloco_serverless.launcher.credentials import check_replica_credentials
 from diloco_serverless.launcher.terraform import exchange_url_from_terraform
 from diloco_serverless.run.layout import RUN_JSON
 from diloco_serverless.run.record import store_policy
@@ -57,6 +60,8 @@ class LaunchPlan:
     kind: str
     gpu: str | None
     leftovers: int = 0  # objects already in the run folder (only with overwrite)
+    #: things the person launching should know (e.g. forwarded credentials that expire); also logged
+    warnings: list[str] = field(default_factory=list)
 
 
 def resolve_config(config: RunConfig | str | Path | None, overrides: Sequence[str], *,
@@ -257,8 +262,9 @@ def check_run_free(root: ObjectStore, run_id: str, *, overwrite: bool = False) -
     otherwise be adopted: its rounds, checkpoints, even its ``final/``). With ``overwrite`` the
     leftovers are allowed (the launcher deletes them); returns how many objects there are."""
     if root.exists(f"{run_id}/{RUN_JSON}") and not overwrite:
-        raise LaunchError(f"run {root.url}/{run_id} already exists; pick another --run-id or omit it "
-                          "for a fresh one")
+        raise LaunchError(f"run {root.url}/{run_id} already exists; to continue it run `diloco resume "
+                          f"{root.url}/{run_id}`, to start it over pass --overwrite, or pick another --run-id "
+                          "(or omit it for a fresh one)")
     leftovers = len(root.list(f"{run_id}/"))
     if leftovers and not overwrite:
         raise LaunchError(
@@ -331,8 +337,9 @@ def check_launch(cfg: RunConfig, executor: ServerlessExecutor | str, *, gpu: str
     except (StoreError, ValueError, ImportError) as e:
         raise LaunchError(f"cannot open store {cfg.store}: {one_line(str(e))}") from None
     probe_store(root)
+    warnings = check_replica_credentials(root.url, root.protocol, built, endpoint=root.endpoint)
     try:
         leftovers = check_run_free(root, cfg.run_id, overwrite=overwrite)
     except StoreError as e:
         raise LaunchError(f"cannot read store {root.url}: {one_line(str(e))}") from None
-    return LaunchPlan(root=root, executor=built, kind=kind, gpu=gpu, leftovers=leftovers)
+    return LaunchPlan(root=root, executor=built, kind=kind, gpu=gpu, leftovers=leftovers, warnings=warnings)

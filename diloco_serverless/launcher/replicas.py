@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diloco_serverless.config import TRUST_REMOTE_CODE_ENV
-from diloco_serverless.errors import one_line
+from diloco_serverless.errors import LaunchError, one_line
 from diloco_serverless.executors.base import ServerlessExecutor, handle_from_json
 from diloco_serverless.executors.registry import executor_kind
 from diloco_serverless.launcher.status import UNKNOWN, ExecutorState
 from diloco_serverless.run.integrity import RUN_KEY_ENV
+from diloco_serverless.run.starts import LAUNCH_ID_ENV
 
 #: The module every replica runs: ``python -m diloco_serverless.entrypoints.replica``.
 REPLICA_ENTRYPOINT = "diloco_serverless.entrypoints.replica"
@@ -67,12 +69,15 @@ def launch_args(run_url: str) -> list[str]:
 
 
 def replica_env(executor: ServerlessExecutor, n_replicas: int, run_url: str, *, run_key: str | None = None,
-                trust_remote_code: bool = False) -> dict[str, str]:
+                trust_remote_code: bool = False, launch_id: str | None = None) -> dict[str, str]:
     """Environment added to every replica: the run URL, the run key (its name marks it a secret, so
-    remote executors send it as a platform secret), the launcher's word on remote code and, for local
-    processes, a fair share of the CPU cores per replica (``OMP_NUM_THREADS``) so N torch processes do
-    not oversubscribe the machine; a value the user exported wins."""
+    remote executors send it as a platform secret), the launcher's word on remote code, the launch's id
+    (in the replica's start record) and, for local processes, a fair share of the CPU cores per replica
+    (``OMP_NUM_THREADS``) so N torch processes do not oversubscribe the machine; a value the user
+    exported wins."""
     env = {"DILOCO_RUN_URL": run_url}
+    if launch_id is not None:
+        env[LAUNCH_ID_ENV] = launch_id
     if run_key is not None:
         env[RUN_KEY_ENV] = run_key
     if trust_remote_code:
@@ -84,11 +89,36 @@ def replica_env(executor: ServerlessExecutor, n_replicas: int, run_url: str, *, 
 
 
 def launch_replicas(executor: ServerlessExecutor, n_replicas: int, run_url: str, *, run_key: str | None = None,
-                    trust_remote_code: bool = False) -> list[dict[str, Any]]:
-    """Start ``n_replicas`` of the replica entrypoint for ``run_url``; return their handle dicts."""
-    env = replica_env(executor, n_replicas, run_url, run_key=run_key, trust_remote_code=trust_remote_code)
-    handles = executor.launch_replicas(n_replicas, REPLICA_ENTRYPOINT, launch_args(run_url), env=env)
+                    trust_remote_code: bool = False, launch_id: str | None = None,
+                    ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Start the replica entrypoint for ``run_url`` on every rank of ``n_replicas`` (or only ``ranks``,
+    which needs an executor whose ``launch_replicas`` takes ``ranks``); return their handle dicts."""
+    env = replica_env(executor, n_replicas, run_url, run_key=run_key, trust_remote_code=trust_remote_code,
+                      launch_id=launch_id)
+    if ranks is None:
+        handles = executor.launch_replicas(n_replicas, REPLICA_ENTRYPOINT, launch_args(run_url), env=env)
+    else:
+        check_starts_ranks(executor)
+        handles = executor.launch_replicas(n_replicas, REPLICA_ENTRYPOINT, launch_args(run_url), env=env,
+                                           ranks=list(ranks))
     return [handle_to_dict(h) for h in handles]
+
+
+def check_starts_ranks(executor: ServerlessExecutor) -> None:
+    """LaunchError unless ``executor.launch_replicas`` takes the ``ranks`` keyword (needed to start some
+    ranks of a run: ``diloco resume``, a replica to continue)."""
+    try:
+        params = inspect.signature(executor.launch_replicas).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]  # no signature to read: refused below
+    if "ranks" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    name = type(executor).__name__
+    raise LaunchError(
+        f"executor {name} cannot start some ranks of a run: its launch_replicas has no 'ranks' keyword. Add "
+        "`*, ranks: Sequence[int] | None = None` to it (start only those ranks; None: all), or resume on "
+        "--executor local, modal or hf-jobs"
+    )
 
 
 def _state_name(value: Any) -> str:

@@ -5,8 +5,15 @@ progress display share one definition of "state", and tests can build any situat
 
 A replica's state comes from the executor's ``poll`` when the executor is reachable (it knows
 about crashes, restarts and cancellation); otherwise from its heartbeat in
-``<run>/members/rank-<r>.json``. A heartbeat older than ``stale_after_s`` marks a running replica
-``stale`` (it may be preempted or hung); it is a hint, not a verdict.
+``<run>/members/rank-<r>.json`` and the run's final model. A heartbeat older than ``stale_after_s``
+marks a running replica ``stale`` (it may be preempted or hung); it is a hint, not a verdict.
+
+``pending`` (queued on the platform) is not ``running``: a replica is running once this launch's
+replica has written its start record (``members/starts/``, :mod:`diloco_serverless.run.starts`) or a
+heartbeat; an executor that says running before that shows ``starting``. ``continue`` is a replica that
+stopped before its platform's time cap with its state saved: the launcher starts a fresh attempt.
+An executor that cannot tell (``unknown``: a result that expired, a poll that failed) defers to the
+heartbeat and the final model: ``done`` or a written ``final/`` is ``succeeded``.
 
 Heartbeats come from the bucket, which anyone with write access to the run can fill: a field of
 the wrong type or range is left unknown (None), named in ``ReplicaReport.invalid`` and explained
@@ -21,6 +28,7 @@ from typing import Any
 
 from diloco_serverless.executors.base import ReplicaStatus
 from diloco_serverless.run.members import (
+    HEARTBEAT_CONTINUING,
     HEARTBEAT_DONE,
     HEARTBEAT_FAILED,
     HEARTBEAT_FIELDS,
@@ -30,15 +38,18 @@ from diloco_serverless.run.members import (
 #: A replica's state in ``diloco status``: the executor's states (one definition, ReplicaStatus) ...
 PENDING, RUNNING = ReplicaStatus.PENDING.value, ReplicaStatus.RUNNING.value
 SUCCEEDED, FAILED, CANCELLED = ReplicaStatus.SUCCEEDED.value, ReplicaStatus.FAILED.value, ReplicaStatus.CANCELLED.value
-#: ... plus two that only status can tell: a silent heartbeat, and an executor that could not be asked.
+#: ... plus two that only status can tell: a silent heartbeat, and an executor that could not be asked ...
 STALE, UNKNOWN = "stale", ReplicaStatus.UNKNOWN.value
+#: ... a replica the platform runs that has not started yet (no start record, no heartbeat of this
+#: launch), and one to continue in a fresh attempt (ReplicaStatus.CONTINUE).
+STARTING, CONTINUE = "starting", ReplicaStatus.CONTINUE.value
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 
 #: Heartbeat ``state`` values a replica may write, mapped onto executor states (the first two are
 #: what :mod:`diloco_serverless.trainer.loop` writes; the rest are accepted from other writers).
 _HEARTBEAT_STATES: dict[str, str] = {
     HEARTBEAT_DONE: SUCCEEDED, HEARTBEAT_FAILED: FAILED, "finished": SUCCEEDED, "succeeded": SUCCEEDED,
-    "completed": SUCCEEDED, "error": FAILED, "cancelled": CANCELLED,
+    "completed": SUCCEEDED, "error": FAILED, "cancelled": CANCELLED, HEARTBEAT_CONTINUING: CONTINUE,
 }
 
 
@@ -48,6 +59,22 @@ class ExecutorState:
 
     state: str
     reason: str | None = None
+
+
+@dataclass(frozen=True)
+class RankStarts:
+    """What run.json and the start records say about one rank's launches (for :func:`build_replica`).
+
+    ``attempts`` counts the rank's start records of every launch; ``started_at`` is the first start
+    record (Unix s) of its current launch, None before the replica started; ``current_seen`` whether a
+    start record or heartbeat of the current launch exists; ``billed_before_s`` what its earlier
+    launches were billed (recorded in run.json when the rank was resumed).
+    """
+
+    attempts: int = 0
+    started_at: float | None = None
+    current_seen: bool = False
+    billed_before_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +94,12 @@ class ReplicaReport:
     #: Heartbeat fields whose stored value was unusable (shown as ``?``), and one note per field.
     invalid: frozenset[str] = frozenset()
     notes: tuple[str, ...] = ()
+    #: Starts of this rank's replica (start records of every launch); None: not known (no records read).
+    attempts: int | None = None
+    #: Seconds since the rank's replica started in its current launch (first start record); None: not yet.
+    started_age_s: float | None = None
+    #: Seconds its earlier launches were billed (see :func:`billed_seconds`).
+    billed_before_s: float = 0.0
 
     @property
     def bytes_moved(self) -> int:
@@ -120,24 +153,41 @@ class RunStatus:
 
 
 def replica_state(executor: ExecutorState | None, heartbeat: Mapping[str, Any] | None,
-                  heartbeat_age_s: float | None, stale_after_s: float) -> tuple[str, str | None]:
-    """Merge what the executor and the heartbeat say about one replica into (state, reason)."""
+                  heartbeat_age_s: float | None, stale_after_s: float, *, started: bool | None = None,
+                  final: bool = False) -> tuple[str, str | None]:
+    """Merge what the executor, the heartbeat and the start records say about one replica into
+    (state, reason).
+
+    ``started``: whether a start record or heartbeat of the replica's current launch was seen (None:
+    not known, then any heartbeat counts). ``final``: the run's final model is written. The executor
+    decides when it can tell: ``running`` before the replica started is ``starting``; ``pending`` with
+    a live heartbeat of this launch is ``running`` (the platform's view lags). An ``unknown`` executor
+    state or none at all defers to the heartbeat, then to ``final``.
+    """
+    hb_state = _HEARTBEAT_STATES.get(str(heartbeat.get("state", "")).lower()) if heartbeat is not None else None
     if executor is not None and executor.state != UNKNOWN:
         state = executor.state
+        if state == CONTINUE:
+            return CONTINUE, executor.reason or "stopped before its platform's time cap, state saved; to continue"
+        if state == RUNNING and started is False:
+            return STARTING, executor.reason or "the platform started it; the replica has not reported yet"
         if state == RUNNING and heartbeat_age_s is not None and heartbeat_age_s > stale_after_s:
             return STALE, f"no heartbeat for {heartbeat_age_s:.0f}s"
         fresh = heartbeat_age_s is not None and heartbeat_age_s <= stale_after_s
-        if state == PENDING and heartbeat is not None and fresh and _HEARTBEAT_STATES.get(
-            str(heartbeat.get("state", "")).lower()
-        ) is None:  # the platform's view lags (Modal's call graph): a live heartbeat means running
-            return RUNNING, None
+        if state == PENDING and heartbeat is not None and fresh and hb_state is None and started is not False:
+            return RUNNING, None  # the platform's view lags (Modal's call graph): a live heartbeat means running
         return state, executor.reason
-    if heartbeat is None:
-        return (PENDING, None) if executor is None else (UNKNOWN, executor.reason)
-    written = heartbeat.get("state")
-    mapped = _HEARTBEAT_STATES.get(written.lower()) if isinstance(written, str) else None
-    if mapped is not None:
-        return mapped, _reason_of(heartbeat)
+    why = None if executor is None else executor.reason
+    if heartbeat is None or started is False:
+        if final and executor is not None:  # it ran (the platform had it) and the run finished
+            return SUCCEEDED, "the run's final model is written (the executor no longer knows this replica)"
+        if started:  # a start record but no heartbeat yet
+            return RUNNING, None
+        return (PENDING, None) if executor is None else (UNKNOWN, why)
+    if hb_state is not None:
+        return hb_state, _reason_of(heartbeat)
+    if final:
+        return SUCCEEDED, "the run's final model is written"
     if heartbeat_age_s is not None and heartbeat_age_s > stale_after_s:
         return STALE, f"no heartbeat for {heartbeat_age_s:.0f}s"
     return RUNNING, None
@@ -163,14 +213,16 @@ def run_state(replicas: Sequence[ReplicaReport], min_replicas: int) -> str:
         return FAILED
     if CANCELLED in states and alive + succeeded < min_replicas:
         return CANCELLED
-    if all(s in (PENDING, UNKNOWN) for s in states):
-        return PENDING
+    if all(s in (PENDING, UNKNOWN, STARTING) for s in states):
+        return STARTING if STARTING in states else PENDING
     return RUNNING
 
 
 def build_replica(rank: int, executor: ExecutorState | None, heartbeat: Mapping[str, Any] | None,
-                  now: float, stale_after_s: float) -> ReplicaReport:
-    """One ``ReplicaReport`` from the executor's view and the rank's heartbeat (either may be None).
+                  now: float, stale_after_s: float, *, starts: RankStarts | None = None,
+                  final: bool = False) -> ReplicaReport:
+    """One ``ReplicaReport`` from the executor's view and the rank's heartbeat (either may be None),
+    its launches and start records (``starts``; None: not read) and whether ``final/`` is written.
 
     A heartbeat field of the wrong type (``"round": "x"``, a list, ``1e309``) is reported as unknown
     with a note instead of raising; so is one that ``Heartbeat.from_json_dict`` already marked in
@@ -191,13 +243,17 @@ def build_replica(rank: int, executor: ExecutorState | None, heartbeat: Mapping[
             invalid.setdefault(name, why)
             hb[name] = None
     age = now - values["time"] if values["time"] is not None else None
-    state, reason = replica_state(executor, hb if heartbeat is not None else None, age, stale_after_s)
+    state, reason = replica_state(executor, hb if heartbeat is not None else None, age, stale_after_s,
+                                  started=None if starts is None else starts.current_seen, final=final)
+    started_age = None if starts is None or starts.started_at is None else max(0.0, now - starts.started_at)
     return ReplicaReport(
         rank=rank, state=state, round=values["round"], step=values["step"], loss=values["loss"],
         attempt=values["attempt"], heartbeat_age_s=age, bytes_up=values["bytes_up"] or 0,
         bytes_down=values["bytes_down"] or 0, reason=reason, invalid=frozenset(invalid),
         notes=tuple(f"rank {rank}: heartbeat field '{name}' {why}" for name, why in sorted(
             invalid.items(), key=lambda item: _FIELD_ORDER.get(item[0], -1))),
+        attempts=None if starts is None else starts.attempts, started_age_s=started_age,
+        billed_before_s=0.0 if starts is None else starts.billed_before_s,
     )
 
 
@@ -207,16 +263,20 @@ _FIELD_ORDER = {name: i for i, name in enumerate(("rank", *HEARTBEAT_FIELDS))}
 def billed_seconds(replicas: Sequence[ReplicaReport], elapsed_s: float) -> list[float]:
     """Seconds each replica has been billed for, approximately.
 
-    A live replica is billed for the whole time since launch; a finished one until its last
-    heartbeat (``elapsed_s - heartbeat_age_s``). Pending replicas count too: clouds may bill
-    container start-up.
+    A replica is billed from when it started in its current launch (its first start record,
+    ``started_age_s`` ago) until now, or until its last heartbeat once it is finished; plus what its
+    earlier launches were billed (``billed_before_s``). Time spent pending or starting (queued, before
+    the replica wrote its start record) is not billed: the estimate leaves out container start-up. A
+    replica without start records (written by an older version) but with a heartbeat is billed from
+    the launch (``elapsed_s`` ago), as before; one with neither has not started and costs nothing.
     """
     out = []
     for r in replicas:
-        if r.state in TERMINAL and r.heartbeat_age_s is not None:
-            out.append(max(0.0, elapsed_s - r.heartbeat_age_s))
-        else:
-            out.append(elapsed_s)
+        since = r.started_age_s
+        if since is None:
+            since = elapsed_s if r.heartbeat_age_s is not None and r.state not in (PENDING, STARTING) else 0.0
+        until = r.heartbeat_age_s if r.state in TERMINAL and r.heartbeat_age_s is not None else 0.0
+        out.append(r.billed_before_s + max(0.0, since - min(until, since)))
     return out
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "MAC_FIELD",
     "RUN_KEY_ENV",
     "load_local_key",
+    "local_key_path",
     "mac_bytes",
     "mac_json",
     "new_run_key",
@@ -95,6 +96,12 @@ def save_local_key(run_url: str, key_hex: str) -> Path:
     with os.fdopen(fd, "w") as fh:
         fh.write(key_hex + "\n")
     return path
+
+
+def local_key_path(run_url: str) -> Path:
+    """The file in which this machine keeps the key of the run at ``run_url`` (it may not exist): under
+    ``$DILOCO_KEYS_DIR``, else ``$XDG_CONFIG_HOME/diloco-serverless/run-keys`` (``~/.config/...``)."""
+    return _key_file(run_url)
 
 
 def load_local_key(run_url: str) -> bytes | None:

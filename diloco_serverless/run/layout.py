@@ -10,9 +10,12 @@ metrics), the exchange and the checkpoints all build their keys here.
 
 from __future__ import annotations
 
+import hashlib
+
 RUN_JSON = "run.json"
 RUN_VERSION = 1
 MEMBERS_PREFIX = "members"
+STARTS_PREFIX = "members/starts"
 ROUNDS_PREFIX = "rounds"
 CHECKPOINTS_PREFIX = "checkpoints"
 LATEST_CHECKPOINT_KEY = "checkpoints/latest.json"
@@ -20,6 +23,13 @@ METRICS_PREFIX = "metrics"
 LOGS_PREFIX = "logs"
 FINAL_PREFIX = "final"
 SLICES_PREFIX = "slices"
+#: Exchange data objects of large runs live under ``x<2 hex>/`` spread prefixes (see :func:`spread_count`).
+SPREAD_PREFIX = "x"
+#: Most spread prefixes a run uses (two hex digits).
+MAX_SPREAD = 256
+#: Runs up to this many replicas keep every exchange object under ``rounds/`` (one prefix is far below
+#: any store's request-rate limit there).
+SPREAD_FROM_REPLICAS = 17
 
 
 def _check_index(name: str, value: int, digits: int) -> None:
@@ -81,19 +91,71 @@ def quorum_key(round: int) -> str:
     return f"{round_prefix(round)}/quorum.json"
 
 
-def contrib_key(round: int, shard: int, rank: int) -> str:
-    """``rounds/<round>/contrib/<shard:04d>/rank-<r>``."""
-    return f"{round_prefix(round)}/contrib/{fmt_shard(shard)}/{_rank(rank)}"
+def spread_count(world_size: int) -> int:
+    """How many key prefixes a run of ``world_size`` replicas spreads its exchange data objects over.
+
+    1 (everything under ``rounds/``) up to 16 replicas; above, the smallest power of two >= N/4,
+    at most :data:`MAX_SPREAD` (N = 64 -> 16, 256 -> 64, 1,024 -> 256). Object stores limit request
+    rates per key prefix (S3: 3,500 PUT and 5,500 GET per second), and a flat round moves O(N^2)
+    objects; spreading them keeps each prefix under its limit (docs/exchange.md, "Prefix spreading").
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if world_size < SPREAD_FROM_REPLICAS:
+        return 1
+    n = 1
+    while n * 4 < world_size and n < MAX_SPREAD:
+        n *= 2
+    return n
+
+
+def spread_prefixes(world_size: int) -> list[str]:
+    """The data prefixes of a run of ``world_size`` replicas: ``["rounds"]`` or ``["x00", "x01", ...]``."""
+    n = spread_count(world_size)
+    return [ROUNDS_PREFIX] if n == 1 else [f"{SPREAD_PREFIX}{i:02x}" for i in range(n)]
+
+
+def _data_prefix(round: int, spread: int, *parts: int | str, slot: int | None = None) -> str:
+    """Where a data object of ``round`` lives: ``rounds/<round>`` with one prefix, else
+    ``x<hh>/<round>`` with ``hh`` = ``slot`` or a hash of ``parts`` (shard, rank or group), modulo ``spread``."""
+    if spread == 1:
+        return round_prefix(round)
+    if not 1 <= spread <= MAX_SPREAD:
+        raise ValueError(f"spread must be between 1 and {MAX_SPREAD}, got {spread}")
+    if slot is None:
+        digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
+        slot = int.from_bytes(digest, "big")
+    return f"{SPREAD_PREFIX}{slot % spread:02x}/{fmt_round(round)}"
+
+
+def round_data_prefixes(round: int, world_size: int) -> list[str]:
+    """Every folder holding data objects of ``round`` (delete them all to prune the round)."""
+    return [f"{p}/{fmt_round(round)}" for p in spread_prefixes(world_size)]
+
+
+def contrib_key(round: int, shard: int, rank: int, spread: int = 1) -> str:
+    """``rounds/<round>/contrib/<shard:04d>/rank-<r>``; with ``spread`` > 1 (:func:`spread_count`),
+    ``x<hh>/<round>/contrib/<shard:04d>/rank-<r>``."""
+    return f"{_data_prefix(round, spread, shard, rank)}/contrib/{fmt_shard(shard)}/{_rank(rank)}"
 
 
 def reduced_prefix(round: int) -> str:
-    """``rounds/<round>/reduced`` (list it to see which shards are reduced)."""
+    """``rounds/<round>/reduced`` (list it to see which shards are reduced; unspread runs only)."""
     return f"{round_prefix(round)}/reduced"
 
 
-def reduced_key(round: int, shard: int) -> str:
-    """``rounds/<round>/reduced/<shard:04d>`` (create-only)."""
-    return f"{reduced_prefix(round)}/{fmt_shard(shard)}"
+def reduced_key(round: int, shard: int, spread: int = 1) -> str:
+    """``rounds/<round>/reduced/<shard:04d>`` (create-only); with ``spread`` > 1 under ``x<shard mod
+    spread>``: every replica reads every reduced shard, so consecutive shards never share a prefix."""
+    _check_index("shard", shard, 4)
+    return f"{_data_prefix(round, spread, slot=shard)}/reduced/{fmt_shard(shard)}"
+
+
+def partial_key(round: int, group: int, shard: int, spread: int = 1) -> str:
+    """``rounds/<round>/partial/<group:04d>/<shard:04d>`` (create-only): group ``group``'s sum of
+    ``shard`` in a hierarchical round; spread like :func:`contrib_key`."""
+    _check_index("group", group, 4)
+    return f"{_data_prefix(round, spread, shard, 'g', group)}/partial/{fmt_shard(group)}/{fmt_shard(shard)}"
 
 
 def code_key(filename: str) -> str:
@@ -112,6 +174,20 @@ def checkpoint_prefix(round: int) -> str:
 def member_key(rank: int) -> str:
     """``members/rank-<r>.json``: rank r's heartbeat."""
     return f"{MEMBERS_PREFIX}/{_rank(rank)}.json"
+
+
+def start_prefix(rank: int) -> str:
+    """``members/starts/rank-<r>``: one create-only record per start of a rank's replica (every attempt)."""
+    return f"{STARTS_PREFIX}/{_rank(rank)}"
+
+
+def start_key(rank: int, time_ms: int, token: str) -> str:
+    """``members/starts/rank-<r>/<time_ms:013d>-<token>.json``: a start at Unix time ``time_ms`` (ms); the
+    random ``token`` keeps two starts of the same millisecond apart. Listings sort by time."""
+    _check_index("time_ms", time_ms, 13)
+    if not token or not token.isalnum():
+        raise ValueError(f"start record token must be letters and digits, got {token!r}")
+    return f"{start_prefix(rank)}/{time_ms:013d}-{token}.json"
 
 
 def metrics_prefix(rank: int) -> str:

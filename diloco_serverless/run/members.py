@@ -47,8 +47,11 @@ HEARTBEAT_EVALUATING = "evaluating"
 HEARTBEAT_CHECKPOINTING = "checkpointing"
 HEARTBEAT_DONE = "done"
 HEARTBEAT_FAILED = "failed"
+#: the attempt stopped before its platform deadline with its state saved; a fresh attempt continues
+HEARTBEAT_CONTINUING = "continuing"
 HEARTBEAT_STATES = (HEARTBEAT_STARTING, HEARTBEAT_HEALING, HEARTBEAT_TRAINING, HEARTBEAT_SYNCING,
-                    HEARTBEAT_EVALUATING, HEARTBEAT_CHECKPOINTING, HEARTBEAT_DONE, HEARTBEAT_FAILED)
+                    HEARTBEAT_EVALUATING, HEARTBEAT_CHECKPOINTING, HEARTBEAT_DONE, HEARTBEAT_FAILED,
+                    HEARTBEAT_CONTINUING)
 
 
 # --------------------------------------------------------------------------------- heartbeats

@@ -38,7 +38,7 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from diloco_serverless.errors import ConfigError, RunError
 from diloco_serverless.run.integrity import mac_json, verify_json
 from diloco_serverless.run.layout import RUN_JSON, RUN_VERSION
 from diloco_serverless.store.errors import ObjectNotFound
-from diloco_serverless.store.objectstore import ObjectStore
+from diloco_serverless.store.objectstore import ObjectStore, TransferPolicy
 from diloco_serverless.store.retry import RetryPolicy
 
 __all__ = [
@@ -64,6 +64,7 @@ __all__ = [
     "split_run_url",
     "store_policy",
     "timeout_policy",
+    "transfer_policy",
 ]
 
 
@@ -107,7 +108,7 @@ def join_run_url(store_url: str, run_id: str) -> str:
 
 # --------------------------------------------------------------------------------- run.json
 def _utc_now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,12 @@ def store_policy(config: RunConfig) -> RetryPolicy:
     defaults of :class:`RetryPolicy` with the deadline ``config.store_timeout_s``. Apply it with
     ``ObjectStore(url, options, retry=store_policy(cfg))`` or ``store.with_retry(store_policy(cfg))``."""
     return RetryPolicy(timeout_s=config.store_timeout_s)
+
+
+def transfer_policy(config: RunConfig) -> TransferPolicy:
+    """How large objects of the run travel (``store_part_size_mb``, ``store_part_concurrency``); apply
+    it with ``store.with_transfer(transfer_policy(cfg))``."""
+    return TransferPolicy.from_mb(config.store_part_size_mb, config.store_part_concurrency)
 
 
 def open_run_store(run_url: str, storage_options: dict[str, Any] | None = None, *,

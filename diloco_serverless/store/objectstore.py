@@ -15,19 +15,25 @@ Create-only per back end:
 * Local: a finished temporary file is ``os.link``-ed to the key (see :mod:`store_local`).
 * Memory: check-and-write under a process-wide lock.
 
+Large S3 objects (over ``TransferPolicy.part_size``, 16 MiB by default) go up as parallel multipart
+uploads and come down as parallel ranged GETs; every S3 read is ranged and sizes itself from the
+first answer's ``Content-Range``, never a HEAD (:mod:`diloco_serverless.store._transfer`).
+
 Failures: only transient errors are retried (:mod:`store_retry`, :mod:`store_errors`); every
 error is a :class:`StoreError` naming the operation, URL and key. An unreachable store raises
 :class:`StoreUnavailable` within ``RetryPolicy.timeout_s``; denied credentials raise
 :class:`StoreAccessDenied` at once.
 
 Credentials never come from code: standard environment variables (``AWS_*``,
-``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``STORAGE_EMULATOR_HOST``), explicit
+``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``STORAGE_EMULATOR_HOST``), a GCS key's JSON in
+``GOOGLE_APPLICATION_CREDENTIALS_JSON`` (:mod:`~diloco_serverless.store.credentials`), explicit
 ``storage_options``, or the JSON object in ``DILOCO_STORAGE_OPTIONS`` (see
 :func:`storage_options_from_env`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import copy
 import json
@@ -35,6 +41,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -44,6 +51,8 @@ from fsspec.asyn import sync
 
 from diloco_serverless.errors import StoreError
 from diloco_serverless.store import _local as store_local
+from diloco_serverless.store._transfer import TransferPolicy, s3_get, s3_put_parts
+from diloco_serverless.store.credentials import gcs_key_from_env
 from diloco_serverless.store.errors import (
     ObjectNotFound,
     ObjectTooLarge,
@@ -58,6 +67,7 @@ from diloco_serverless.store.retry import RetryPolicy, call_with_retry
 __all__ = [
     "ObjectStore",
     "RetryPolicy",
+    "TransferPolicy",
     "StoreError",
     "ObjectNotFound",
     "ObjectTooLarge",
@@ -75,6 +85,7 @@ ENV_STORAGE_OPTIONS = "DILOCO_STORAGE_OPTIONS"
 _ALIASES = {"gcs": "gs", "s3a": "s3", "local": "file"}
 _MEMORY_LOCK = threading.Lock()
 _MAX_THREADS = 16
+_S3_POOL_CONNECTIONS = 64
 
 
 def _check_limit(max_bytes: int | None) -> int | None:
@@ -171,10 +182,15 @@ def _default_options(protocol: str, retry: RetryPolicy) -> dict[str, Any]:
         connect_s = max(1.0, min(10.0, retry.timeout_s))
         return {"use_listings_cache": False,
                 "config_kwargs": {"connect_timeout": connect_s, "read_timeout": 60,
-                                  "retries": {"total_max_attempts": 1}}}
+                                  "retries": {"total_max_attempts": 1},
+                                  # parallel parts of several objects at once (TransferPolicy)
+                                  "max_pool_connections": _S3_POOL_CONNECTIONS}}
     if protocol == "gs":
         opts: dict[str, Any] = {"use_listings_cache": False}
-        if os.environ.get("STORAGE_EMULATOR_HOST"):
+        key = gcs_key_from_env()
+        if key is not None:
+            opts["token"] = key  # the service account of $GOOGLE_APPLICATION_CREDENTIALS_JSON (store.credentials)
+        elif os.environ.get("STORAGE_EMULATOR_HOST"):
             opts["token"] = "anon"  # an emulator takes no credentials
         return opts
     return {}
@@ -203,15 +219,18 @@ class ObjectStore:
         storage_options: fsspec options (endpoint, credentials); they win over
             ``$DILOCO_STORAGE_OPTIONS``, which applies to remote protocols only.
         retry: retry and deadline policy (default :class:`RetryPolicy()`).
+        transfer: part size and concurrency of large S3 objects (default :class:`TransferPolicy()`:
+            16 MiB parts, 8 at a time); see :mod:`diloco_serverless.store._transfer`.
 
     Raises:
         ValueError: malformed URL; ImportError (from fsspec) if the protocol's extra is missing.
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, transfer: TransferPolicy | None = None) -> None:
         self.protocol, self._root, self.url = _split_url(url)
         self.retry = retry or RetryPolicy()
+        self.transfer = transfer or TransferPolicy()
         options: dict[str, Any] = {}
         if self.protocol not in ("file", "memory"):
             options = _merge(_default_options(self.protocol, self.retry), storage_options_from_env())
@@ -262,6 +281,13 @@ class ObjectStore:
         other.retry = retry
         return other
 
+    def with_transfer(self, transfer: TransferPolicy) -> ObjectStore:
+        """The same store with another part size / concurrency for large objects."""
+        other = object.__new__(ObjectStore)
+        other.__dict__.update(self.__dict__)
+        other.transfer = transfer
+        return other
+
     def _path(self, key: str) -> str:
         if self.protocol == "file":
             return os.path.join(self._root, *key.split("/")) if key else self._root
@@ -286,6 +312,23 @@ class ObjectStore:
                         timeout=max(timeout_s, 0.001), **kwargs)
         return getattr(self.fs, method)(*args, **kwargs)
 
+    def _s3_put(self, path: str, data: bytes, remaining: float, *, create_only: bool) -> None:
+        """One PutObject, or a parallel multipart upload above the part size (S3 only)."""
+        if len(data) <= self.transfer.part_size:
+            self._fs_call("pipe_file", path, data, timeout_s=remaining, **({"mode": "create"} if create_only else {}))
+            return
+        fs = self.fs
+        bucket, name, _ = fs.split_path(path)
+        sync(fs.loop, s3_put_parts, fs, bucket, name, data, self.transfer, self.retry, time.monotonic() + remaining,
+             create_only=create_only, timeout=max(remaining, 0.001))
+
+    def _s3_get(self, key: str, path: str, remaining: float, limit: int | None) -> bytes:
+        """Ranged GETs, in parallel above the part size; the size comes from the first answer (no HEAD)."""
+        fs = self.fs
+        bucket, name, _ = fs.split_path(path)
+        return bytes(sync(fs.loop, s3_get, fs, bucket, name, self.transfer, self.retry, time.monotonic() + remaining,
+                          limit, lambda size: self._too_large(key, limit or 0, size), timeout=max(remaining, 0.001)))
+
     # ----------------------------------------------------------------- writes
     def put(self, key: str, data: bytes) -> None:
         """Write ``data`` at ``key``, replacing any object there. Readers see the old or the
@@ -296,6 +339,8 @@ class ObjectStore:
         def attempt(remaining: float) -> None:
             if self.protocol == "file":
                 store_local.atomic_write(path, data)
+            elif self.protocol == "s3":
+                self._s3_put(path, data, remaining, create_only=False)
             else:
                 self._fs_call("pipe_file", path, data, timeout_s=remaining)
 
@@ -325,7 +370,10 @@ class ObjectStore:
                     self.fs.pipe_file(path, data)
                     return True
             try:
-                self._fs_call("pipe_file", path, data, mode="create", timeout_s=remaining)
+                if self.protocol == "s3":
+                    self._s3_put(path, data, remaining, create_only=True)
+                else:
+                    self._fs_call("pipe_file", path, data, mode="create", timeout_s=remaining)
                 return True
             except FileExistsError:
                 return False
@@ -367,6 +415,8 @@ class ObjectStore:
                     if size > limit:
                         raise self._too_large(key, limit, size)
                     data = f.read(limit + 1)
+            elif self.protocol == "s3":
+                return self._s3_get(key, path, remaining, limit)
             elif limit is None:
                 return bytes(self._fs_call("cat_file", path, timeout_s=remaining))
             else:
@@ -437,11 +487,17 @@ class ObjectStore:
             todo = [p for p, k in by_path.items() if k not in found and k not in missing]
             if not todo:
                 return
-            ranged: dict[str, Any] = {} if limit is None else {"start": 0, "end": limit + 1}
-            out = self._fs_call("cat", todo, on_error="return", timeout_s=remaining, **ranged)
+            if self.protocol == "s3":
+                out = sync(self.fs.loop, self._s3_get_all, todo, limit, time.monotonic() + remaining,
+                           timeout=max(remaining, 0.001))
+            else:
+                ranged: dict[str, Any] = {} if limit is None else {"start": 0, "end": limit + 1}
+                out = self._fs_call("cat", todo, on_error="return", timeout_s=remaining, **ranged)
             transient: BaseException | None = None
             for path, value in out.items():
                 key = by_path.get(path, path)
+                if isinstance(value, ObjectTooLarge):
+                    raise value
                 if limit is not None and isinstance(value, OSError) and is_range_unsatisfiable(value):
                     value = b""
                 if not isinstance(value, BaseException):
@@ -460,6 +516,24 @@ class ObjectStore:
         label = keys[0] if len(keys) == 1 else f"{keys[0]} (and {len(keys) - 1} more keys)"
         self._run("get_many", label, attempt)
         return found, missing
+
+    async def _s3_get_all(self, paths: list[str], limit: int | None, deadline: float) -> dict[str, Any]:
+        """{path: bytes or the exception} for ranged GETs of ``paths``, at most ``_MAX_THREADS``
+        objects at a time (each with its own parallel parts)."""
+        fs, gate = self.fs, asyncio.Semaphore(_MAX_THREADS)
+
+        async def one(path: str) -> Any:
+            bucket, name, _ = fs.split_path(path)
+            key = self._rel(path) if path.startswith(self._root) else path
+            async with gate:
+                try:
+                    return await s3_get(fs, bucket, name, self.transfer, self.retry, deadline, limit,
+                                        lambda size: self._too_large(key, limit or 0, size))
+                except Exception as exc:
+                    return exc
+
+        values = await asyncio.gather(*(one(p) for p in paths))
+        return dict(zip(paths, values))
 
     def exists(self, key: str) -> bool:
         """True if an object (not a mere prefix/folder) exists at ``key``."""

@@ -4,6 +4,10 @@ Only errors for which :func:`diloco_serverless.store.errors.is_transient` is tru
 (the model is s3fs's ``_error_wrapper``: a declared tuple of retryable errors, capped backoff).
 Anything else is translated at once. When the attempts or the deadline run out, the last
 transient error becomes :class:`~diloco_serverless.store.errors.StoreUnavailable`.
+A store's ``503 SlowDown`` (too many requests on one prefix) is transient: it is retried with the
+same jittered exponential backoff, so concurrent replicas that were throttled together spread out.
+The parts of a large transfer (:mod:`diloco_serverless.store._transfer`) are retried one by one with
+this policy's :meth:`RetryPolicy.delay_s` inside the operation's deadline.
 """
 
 from __future__ import annotations

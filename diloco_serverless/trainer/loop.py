@@ -68,6 +68,7 @@ from diloco_serverless.loss import LossComponents, TAIDScheduler, compose_loss, 
 from diloco_serverless.run.integrity import RUN_KEY_ENV, run_key_from_env
 from diloco_serverless.run.members import (
     HEARTBEAT_CHECKPOINTING,
+    HEARTBEAT_CONTINUING,
     HEARTBEAT_DONE,
     HEARTBEAT_EVALUATING,
     HEARTBEAT_FAILED,
@@ -77,10 +78,12 @@ from diloco_serverless.run.members import (
     write_heartbeat,
     write_metrics,
 )
-from diloco_serverless.run.record import load_run, store_policy
+from diloco_serverless.run.record import load_run, store_policy, transfer_policy
+from diloco_serverless.run.starts import LAUNCH_ID_ENV, write_start
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.checkpoint import final_exists, write_final
+from diloco_serverless.trainer.deadline import AttemptDeadline
 from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
 from diloco_serverless.trainer.local_group import LocalGroup
 from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
@@ -102,6 +105,8 @@ class TrainResult:
     final_written: bool
     eval_loss: float | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    #: the attempt stopped before its deadline with its state saved: a fresh attempt must continue it
+    continuing: bool = False
 
 
 _COMPONENTS = ("total", "lm_ce", "sdpo_jsd", "trace_replay_dpo")
@@ -189,7 +194,7 @@ class ReplicaTrainer:
     def __init__(self, cfg: RunConfig, run_store: ObjectStore, rank: int, *, attempt: int = 0,
                  storage_options: dict[str, Any] | None = None, device: str | None = None,
                  exchange_options: dict[str, Any] | None = None, run_key: bytes | None = None,
-                 local: LocalGroup | None = None) -> None:
+                 local: LocalGroup | None = None, deadline: AttemptDeadline | None = None) -> None:
         if not 0 <= rank < cfg.replicas:
             raise ValueError(
                 f"rank {rank} is outside run {cfg.run_id} ({cfg.replicas} replicas: ranks 0..{cfg.replicas - 1}); "
@@ -255,6 +260,11 @@ class ReplicaTrainer:
         self._note: str | None = None  # shown in the heartbeats of the round after an abstention
         self.last_eval: float | None = None
         self.metrics: list[dict[str, Any]] = []
+        #: this attempt's platform deadline: stop at an outer-round boundary before it (module docstring)
+        self.deadline = deadline
+        self._outer_done = False  # the last round ended a committed outer round
+        self._outer_start = time.monotonic()
+        self._saved_round: int | None = None  # the round whose state this attempt saved last
 
     @classmethod
     def from_run(
@@ -267,6 +277,7 @@ class ReplicaTrainer:
         device: str | None = None,
         exchange_options: dict[str, Any] | None = None,
         local: LocalGroup | None = None,
+        deadline: AttemptDeadline | None = None,
     ) -> ReplicaTrainer:
         """Load ``run.json`` at ``run_url`` and build rank ``rank``'s trainer (no training yet).
 
@@ -274,7 +285,8 @@ class ReplicaTrainer:
         and everything read from the store must then carry its signature. Without it the replica
         cannot tell a forged object from a real one and says so in its log.
         ``model.trust_remote_code`` is honoured only when the launcher was given it on its command
-        line (``$DILOCO_TRUST_REMOTE_CODE=1``), never from the stored config alone.
+        line (``$DILOCO_TRUST_REMOTE_CODE=1``), never from the stored config alone. ``deadline``: when
+        this attempt will be killed by its platform (see :mod:`diloco_serverless.trainer.deadline`).
         """
         run_key = run_key_from_env()
         if run_key is None:
@@ -282,13 +294,18 @@ class ReplicaTrainer:
                            rank, RUN_KEY_ENV)
         # run.json is read within the default deadline; everything after it within the run's own
         run_store, record = load_run(run_url, storage_options, key=run_key, timeout_s=STORE_TIMEOUT_S)
-        run_store = run_store.with_retry(store_policy(record.config))
+        run_store = run_store.with_retry(store_policy(record.config)).with_transfer(transfer_policy(record.config))
         if record.config.model.trust_remote_code and os.environ.get(TRUST_REMOTE_CODE_ENV) != "1":
             raise ConfigError(
                 f"{run_store.url}/run.json asks for model.trust_remote_code, but the launcher was not given "
                 "--trust-remote-code; refusing to run code from the model repository. Relaunch with "
                 "--trust-remote-code if you trust it"
             )
+        try:  # this start, for status (running vs starting, attempts) and spend (run/starts.py)
+            if 0 <= rank < record.config.replicas:
+                write_start(run_store, rank, attempt, launch_id=os.environ.get(LAUNCH_ID_ENV) or None, key=run_key)
+        except (StoreError, ValueError) as exc:
+            logger.warning("rank %d: start record not written: %s", rank, exc)
         return cls(
             record.config,
             run_store,
@@ -299,11 +316,12 @@ class ReplicaTrainer:
             exchange_options=exchange_options,
             run_key=run_key,
             local=local,
+            deadline=deadline,
         )
 
     def _build_manager(self, storage_options: dict[str, Any] | None, extra: dict[str, Any]) -> ObjectStoreManager:
         ex = self.cfg.exchange
-        opts: dict[str, Any] = {"takeover_timeout_s": ex.takeover_timeout_s, **extra}
+        opts: dict[str, Any] = {"takeover_timeout_s": ex.takeover_timeout_s, "topology": ex.topology, **extra}
         if ex.poll_interval_s is not None:
             opts.setdefault("poll_interval_s", ex.poll_interval_s)
         store_url, run_id = self.store.url.rsplit("/", 1)
@@ -471,9 +489,12 @@ class ReplicaTrainer:
                 logger.info("rank %d: run %s already finished (final/DONE.json exists)", self.rank, self.cfg.run_id)
                 self.manager.shutdown()
                 return TrainResult(self.rank, self.manager.current_step(), 0, self.replayed, False, self.last_eval)
+            self._outer_start = time.monotonic()
             with self.rep:
                 while self.manager.current_step() < self.total_rounds:
                     self._one_round()
+                    if self._deadline_near():
+                        return self._continue_later()
         except BaseException as exc:
             self._heartbeat(HEARTBEAT_FAILED, message=f"{type(exc).__name__}: {exc}"[:500])
             raise
@@ -481,6 +502,7 @@ class ReplicaTrainer:
 
     def _one_round(self) -> None:
         """Catch up if the others are ahead, then inner steps until the next exchange round finished."""
+        self._outer_done = False
         replayed = self.rep.catch_up(self.total_rounds)
         if replayed:  # the others finished rounds without us: skip the data they stand for
             self.replayed += replayed
@@ -618,6 +640,7 @@ class ReplicaTrainer:
         self._heartbeat(HEARTBEAT_TRAINING, loss=metrics.get("total"))
         if outer_done and self._due(self.cfg.checkpoint_every, outer_round):
             self.checkpoint(record)
+        self._outer_done = outer_done
 
     def _due(self, every: int, outer_round: int) -> bool:
         """True every ``every`` outer rounds and after the last round (``every == 0``: last only)."""
@@ -691,12 +714,20 @@ class ReplicaTrainer:
     def checkpoint(self, record: ExchangeRecord | None) -> None:
         """Write this rank's shard of the global checkpoint of the last round; prune what it makes obsolete."""
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
+        self._save_state(takeover_s=min(60.0, self.cfg.exchange.straggler_timeout_s))
+        participants = record.participants if record and record.participants else [0]
+        round_ = self.manager.current_step() - 1
+        if self.rank == min(participants):
+            self._prune(round_)
+
+    def _save_state(self, *, takeover_s: float) -> None:
+        """This rank's own state and its part of the global checkpoint of the last round (all missing
+        shards after ``takeover_s``); times the save for the deadline estimate."""
+        start = time.monotonic()
         round_ = self.manager.current_step() - 1
         tensors, meta = self.rep.state_tensors()  # every local process: the outer momentum is gathered
         if not self.leader:  # the global state is then whole on every local process: local rank 0 saves it
-            participants = record.participants if record and record.participants else [0]
-            if self.rank == min(participants):
-                self._prune(round_)
+            self._saved_round = round_  # as the leader does: _continue_later's collective calls must match
             return
         own, doc = self._replica_state()
         ckpt.save_replica_state(self.store, round_, self.rank, own, doc, self.run_key)
@@ -709,12 +740,44 @@ class ReplicaTrainer:
             rank=self.rank,
             world_size=self.cfg.replicas,
             data_state=self.data.state_dict(),
-            takeover_s=min(60.0, self.cfg.exchange.straggler_timeout_s),
+            takeover_s=takeover_s,
             run_key=self.run_key,
         )
-        participants = record.participants if record and record.participants else [0]
-        if self.rank == min(participants):
-            self._prune(round_)
+        self._saved_round = round_
+        if self.deadline is not None:
+            self.deadline.record_save(time.monotonic() - start)
+
+    # ------------------------------------------------------------------ the attempt's deadline
+    def _deadline_near(self) -> bool:
+        """After a round: True when it ended an outer round, the run is not over, and the next outer
+        round would not finish before this attempt's deadline (records the round's wall time)."""
+        if self.deadline is None or not self._outer_done:
+            return False
+        now = time.monotonic()
+        self.deadline.record_round(now - self._outer_start)
+        self._outer_start = now
+        stop = self.manager.current_step() < self.total_rounds and self.deadline.should_stop()
+        if self.local is not None:  # one decision for the replica: local rank 0's
+            stop = bool(self.local.leader_int(int(stop)))
+        return stop
+
+    def _continue_later(self) -> TrainResult:
+        """End this attempt before its deadline so that a fresh one resumes exactly: this rank's state
+        and the global checkpoint of the last round (every shard this rank finds missing: the others
+        are training on, so nobody else may write it), a ``continuing`` heartbeat, one log line."""
+        assert self.deadline is not None
+        round_ = self.manager.current_step() - 1
+        why = self.deadline.describe()
+        if self._saved_round != round_:  # a checkpoint round has it already
+            self._heartbeat(HEARTBEAT_CHECKPOINTING)
+            self._save_state(takeover_s=0.0)
+        message = (f"attempt {self.attempt} stopped after round {round_} before its platform deadline ({why}); "
+                   "state saved, a fresh attempt continues from it")
+        logger.warning("rank %d: %s", self.rank, message)
+        self._heartbeat(HEARTBEAT_CONTINUING, message=message)
+        self.manager.shutdown()
+        return TrainResult(self.rank, self.manager.current_step(), self.trained, self.replayed, False,
+                           self.last_eval, self.metrics, continuing=True)
 
     def _prune(self, round_: int) -> None:
         """Delete rounds and checkpoints that checkpoint ``round_`` made obsolete. Cleanup never stops

@@ -316,6 +316,8 @@ def test_modal_flags_reach_the_executor(workdir: Path, s3_store_url: str, s3_env
     assert "on modal (H100:2)" in status.stdout  # recorded gpu; the price is 2 x H100
     env = dict(ex.launched[0]["env"])
     assert len(env.pop("DILOCO_RUN_KEY")) == 64  # the run key, sent as a secret (docs/security.md)
+    launch_id = env.pop("DILOCO_LAUNCH_ID")  # the launch's id, in each replica's start record
+    assert len(launch_id) == 12 and all(c in "0123456789abcdef" for c in launch_id)
     assert env == {"DILOCO_RUN_URL": f"{s3_store_url}/m1"}  # no OMP_NUM_THREADS off-machine
 
 

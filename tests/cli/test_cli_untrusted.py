@@ -12,6 +12,7 @@ F: local replicas beyond what the machine holds are refused unless -x oversubscr
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def test_status_prints_heartbeat_text_not_markup(workdir: Path, fake: FakeExecut
     monkeypatch.setattr(api, "executor_from_launch", no_sdk)
     for rank in range(4):
         _heartbeat(run, rank, {"rank": rank, "round": 3, "state": "failed" if rank == 1 else "done",
-                               "time": 1e9, "message": EVIL if rank == 1 else None})
+                               "time": time.time(), "message": EVIL if rank == 1 else None})
     result = runner.invoke(app, ["status", run, *(["--watch", "--interval", "0.1"] if watch else [])])
     assert result.exit_code == 0, result.output
     _assert_inert(result.output)
@@ -108,7 +109,7 @@ def test_launch_summary_and_failed_log_tail_are_text(workdir: Path, monkeypatch:
 def test_status_with_malformed_heartbeats_shows_question_marks_and_notes(workdir: Path, fake: FakeExecutor) -> None:
     """B: wrong JSON types in heartbeats never crash status: ``?`` in the cell and a note line."""
     run = _launched()
-    _heartbeat(run, 0, {"rank": 0, "round": "x", "step": 4, "state": "done", "time": 1e9})
+    _heartbeat(run, 0, {"rank": 0, "round": "x", "step": 4, "state": "done", "time": time.time()})
     _heartbeat(run, 1, '{"rank": 1, "round": 1e309, "loss": "abc", "state": "done", "time": "yesterday"}')
     _heartbeat(run, 2, {"rank": 2, "round": [1], "bytes_up": "lots", "message": {"a": 1}, "state": 7})
     _heartbeat(run, 3, {})  # every field missing

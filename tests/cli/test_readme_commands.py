@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -18,11 +18,6 @@ from diloco_serverless.config import RunConfig
 from diloco_serverless.launcher import api, preflight
 from support import REPO_ROOT
 from support.fake_executor import FakeExecutor
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 README = REPO_ROOT / "README.md"
 #: What the README must keep suggesting after the first run.

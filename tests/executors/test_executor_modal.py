@@ -233,7 +233,8 @@ def test_launch_builds_app_function_image_secrets_and_spawns(fake_modal: FakeMod
     for rank, (_, args, inside_run) in enumerate(fake_modal.spawns):
         assert inside_run  # spawned while the detached App runs
         assert args == (rank, "diloco_serverless.entrypoints.replica", ["--run-url", RUN_URL],
-                        {"DILOCO_RUN_URL": RUN_URL, "AWS_ENDPOINT_URL": "https://s3.example"})
+                        {"DILOCO_RUN_URL": RUN_URL, "AWS_ENDPOINT_URL": "https://s3.example",
+                         "DILOCO_CALL_TIMEOUT_S": "3600", "DILOCO_ATTEMPT": "0"})  # see test_continue_modal.py
     records = json.loads(json.dumps([h.to_json() for h in handles]))
     assert records[1] == {"kind": "modal", "rank": 1, "function_call_id": "fc-1", "app_id": "ap-123",
                           "app_name": "diloco-run-m1", "gpu": "H100", "run_id": "run-m1"}
@@ -475,5 +476,6 @@ def test_the_run_key_reaches_modal_replicas_in_the_call_inputs(fake_modal: FakeM
     handles = ex.launch_replicas(2, "diloco_serverless.entrypoints.replica", ["--run-url", RUN_URL], env=env)
     assert len(fake_modal.spawns) == 2
     for _, args, _ in fake_modal.spawns:
-        assert args[3] == {"DILOCO_RUN_URL": RUN_URL, "DILOCO_RUN_KEY": key}
+        assert args[3] == {"DILOCO_RUN_URL": RUN_URL, "DILOCO_RUN_KEY": key, "DILOCO_CALL_TIMEOUT_S": "86400",
+                           "DILOCO_ATTEMPT": "0"}
     assert key not in json.dumps([h.to_json() for h in handles])

@@ -46,7 +46,8 @@ SDK_USED: dict[str, dict[str, tuple[str, ...]]] = {
         "Image.debian_slim": ("python_version",),
         "Image.pip_install": (),
         "Image.add_local_python_source": (),
-        "Secret.from_name": (),
+        "Secret.from_name": ("environment_name",),
+        "Secret.hydrate": (),  # preflight looks each named Secret up (modal.lookup_secrets)
         "Retries": ("max_retries", "backoff_coefficient", "initial_delay"),
         "enable_output": (),
         "exception.AuthError": (),

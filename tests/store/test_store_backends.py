@@ -116,15 +116,17 @@ def test_s3_get_many_batches_and_retries_only_failures(
     for i, key in enumerate(keys):
         store.put(key, bytes([i]) * 100)
     fs, calls = store.fs, []
-    original = fs._cat_file
+    original = fs._call_s3
 
-    async def flaky_cat_file(path: str, **kwargs: Any) -> bytes:
-        calls.append(path)
-        if path.endswith("0003/rank-0") and calls.count(path) == 1:
-            raise ConnectionResetError("injected reset")
-        return await original(path, **kwargs)
+    async def flaky_call_s3(method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "get_object":  # every GET (ranged; no HEAD) goes through here
+            path = f"{kwargs['Bucket']}/{kwargs['Key']}"
+            calls.append(path)
+            if path.endswith("0003/rank-0") and calls.count(path) == 1:
+                raise ConnectionResetError("injected reset")
+        return await original(method, *args, **kwargs)
 
-    monkeypatch.setattr(fs, "_cat_file", flaky_cat_file)
+    monkeypatch.setattr(fs, "_call_s3", flaky_call_s3)
     got = store.get_many(keys + ["contrib/0009/rank-0"], missing_ok=True)
     assert got == {key: bytes([i]) * 100 for i, key in enumerate(keys)}
     assert len(calls) == 9 + 1  # one batch of 9, then only the failed key again

@@ -1,0 +1,581 @@
+"""Time to loss: DiLoCo against synchronous data parallel through the same object store (issue 15, part 5).
+
+Run (from the repo root, venv active):
+
+    python benchmarks/time_to_loss.py --quick            # N=4, T=96 steps, H=16, s3-standard emulation (~6 min)
+    python benchmarks/time_to_loss.py                    # N=4, T=192 steps, H=16 (~12 min)
+    python benchmarks/time_to_loss.py --quick --sync-every 32 --diloco-factor 3   # the README's table (~8 min)
+    python benchmarks/time_to_loss.py --preset r2 --sync-every 8 --set outer.lr=0.5
+    python benchmarks/time_to_loss.py --backend file --replicas 2 --steps 4 --sync-every 2   # smoke run
+
+Prints a table and writes benchmarks/results/time_to_loss.json.
+
+Replicas without a network between them can only do data parallel (DP) by all-reducing gradients
+through the object store every step. Both arms train the tiny Qwen2 (random init, seed 0: the same
+initial parameters, checked) on N replicas, the same data (replica r reads rank r's shard of the stdlib
+corpus, batch b x seq_len tokens per step) and the same number of tokens (T steps per replica), with
+the LM loss only (``compose_loss`` with alpha_sdpo = beta_replay = 0), the same inner AdamW and lr
+schedule (``inner.lr_at``), through the same store:
+
+  (a) sync DP   the simplest honest loop, in this file: N processes; every step each computes its
+                gradient on its own batch, all-reduces it (mean) through the store with the product's
+                exchange primitive used standalone (``ObjectStoreAllReduce.allreduce`` on the flat
+                gradient, one round per step, exactly as the manager calls it for DiLoCo), clips the
+                mean gradient and steps AdamW.
+  (b) DiLoCo    the product: ``launch()`` on the local executor (N replica processes, the real
+                ``ReplicaTrainer``), H inner steps then the pseudo-gradient exchange and the outer
+                Nesterov step; eval losses read from the run's metrics (``Run.metrics()``).
+
+Both evaluate the global model on the same held-out batches (``data.eval_batches()``, identical on
+every rank) every H steps, on rank 0, inside the timed loop (the other replicas wait for it at the next
+exchange in both arms). Wall time is counted from the first training step (process start, model
+build and data opening excluded in both arms); for DiLoCo from the replicas' own round-0 metrics
+(``time - wall_s`` of the ranks that do not evaluate).
+
+The store: moto (127.0.0.1) behind the shaping proxy of ``tests/support/store_emulator.py`` with the
+``--preset`` (default ``s3-standard``: first-byte latency, per-connection and per-client bandwidth,
+per-prefix request rates), at ``--scale`` (1 = real time). The emulator counts requests and bytes;
+spend = requests at the preset's list prices (PUT/POST/LIST at the PUT price, GET/HEAD at the GET
+price, DELETE free) + bytes downloaded x the preset's egress price (charged only when replicas run
+outside the store's cloud; the table shows both). Only exchange traffic (keys under ``rounds/``) is
+priced per arm, since DiLoCo's heartbeats, metrics, run.json and final/ have no DP counterpart; the
+JSON has all of it. ``--backend file`` runs both arms on a local folder (no emulation, no prices).
+
+Results: for each arm the eval-loss curve against wall time; the time (and exchange spend) each needs
+to reach (a)'s final eval loss (``-`` when it does not within the token budget); and, since DiLoCo
+usually ends above (a)'s final loss at equal tokens on a cold start, the time each needs to reach the
+*higher* of the two final losses and the loss (a) had reached when (b) finished its T steps.
+``--diloco-factor K`` lets (b) train K x T steps (same data stream; the inner lr is constant after the
+warmup, so its first T steps are the equal-token run) to measure when it reaches (a)'s final loss.
+(a)'s **floor** is what (a) would take if each exchange cost only four first-byte medians (publish,
+quorum, reduce, gather) on top of its measured compute: a store and proxy with no CPU cost of their own.
+Target: DiLoCo reaches (a)'s eval loss in <= 0.2x (a)'s wall time. Benchmarks never assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import tempfile
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from support.store_presets import PRESETS, StorePreset, preset  # noqa: E402
+
+RESULTS = Path(__file__).with_name("results") / "time_to_loss.json"
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+          "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+RUN_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+PUT_CLASS = ("PUT", "POST", "LIST", "COPY")  # S3 bills LIST and POST (multipart) like PUT
+GET_CLASS = ("GET", "HEAD")
+#: First-byte waits one exchange round cannot avoid: publish, quorum, reduce, gather (the phases of
+#: docs/architecture.md; the physical limit of benchmarks/allreduce.py counts the same four). The protocol
+#: really makes about six sequential requests (contributions, ready marker, the LIST that sees every marker,
+#: quorum.json, the reduced shard, the reduced GETs), so the floor below flatters (a).
+ROUND_TRIPS = 4
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The shape shared by both arms."""
+
+    replicas: int = 4
+    steps: int = 96  # T: inner steps (= tokens / (batch * seq_len)) per replica, both arms
+    sync_every: int = 16  # H of DiLoCo; also how often both arms evaluate
+    batch: int = 4
+    seq_len: int = 96
+    eval_batches: int = 6
+    poll_interval_s: float = 0.05
+    diloco_factor: int = 1  # (b) trains diloco_factor x T steps; its equal-token result is read at step T
+    extra: tuple[str, ...] = ()  # --set overrides for both arms
+
+    @property
+    def diloco_steps(self) -> int:
+        return self.steps * self.diloco_factor
+
+    def overrides(self, steps: int | None = None) -> list[str]:
+        """RunConfig overrides of both arms (DP reads inner.*, data.*, loss.*, model.* from the same config);
+        ``steps`` sets the run's length in inner steps (default T)."""
+        steps = self.steps if steps is None else steps
+        return [f"replicas={self.replicas}", "seed=0", "loss.alpha_sdpo=0", "loss.beta_replay=0",
+                f"data.batch_size={self.batch}", f"data.seq_len={self.seq_len}",
+                f"data.eval_batches={self.eval_batches}", f"inner.sync_every={self.sync_every}",
+                f"rounds={steps // self.sync_every}", "eval_every=1", "checkpoint_every=0",
+                f"exchange.poll_interval_s={self.poll_interval_s}", "exchange.straggler_timeout_s=600",
+                "exchange.round_timeout_s=1200", "exchange.keep_rounds=2", *self.extra]
+
+
+QUICK = Setup(steps=96)
+FULL = Setup(steps=192)
+
+
+# ------------------------------------------------------------------------------------ the store
+@dataclass
+class StoreSite:
+    """Where both arms' runs live: a store URL, the environment replicas need, and request counters."""
+
+    url: str
+    env: dict[str, str]
+    preset: StorePreset | None = None
+    scale: float = 1.0
+    counter: EmulatorCounts | None = None  # the emulator's counters, None for file://
+
+    def reset(self) -> None:
+        """Zero the counters (before each arm)."""
+        if self.counter is not None:
+            self.counter.reset()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Requests by method since :meth:`reset`, split into exchange traffic (``rounds/``) and the rest."""
+        if self.counter is None:
+            return {}
+        return self.counter.snapshot()
+
+
+@contextlib.contextmanager
+def open_site(backend: str, root: Path, store_preset: StorePreset, scale: float, seed: int) -> Iterator[StoreSite]:
+    """A ``file://`` folder, or moto behind the store emulator with ``store_preset`` at ``scale``."""
+    if backend == "file":
+        yield StoreSite(f"file://{root / 'store'}", {})
+        return
+    from support.chaos import moto_server
+
+    with moto_server() as moto, _shaping_proxy(moto, store_preset, scale, seed) as (endpoint, counter):
+        import boto3
+
+        bucket = f"ttl-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3", endpoint_url=moto, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+        yield StoreSite(f"s3://{bucket}", {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}, store_preset, scale, counter)
+
+
+class EmulatorCounts:
+    """Reads the emulator's counters: requests by method, split into exchange traffic (keys under
+    ``rounds/``) and the rest, and body bytes moved (all clients). :meth:`reset` before each arm."""
+
+    def __init__(self, emulator: Any) -> None:
+        self.emulator = emulator
+
+    def reset(self) -> None:
+        self.emulator.reset()
+
+    def snapshot(self) -> dict[str, Any]:
+        requests: dict[str, dict[str, int]] = {"exchange": {}, "other": {}}
+        for req in self.emulator.requests():
+            key, method = req.key, req.method
+            if not key:  # a bucket-level request: a listing (billed like a PUT) names its prefix
+                key = urllib.parse.parse_qs(req.query).get("prefix", [""])[0]
+                method = "LIST" if method == "GET" else method
+            if method == "POST" and "delete" in req.query:
+                method = "DELETE"  # DeleteObjects: deletes are free
+            where = requests["exchange" if "/rounds/" in f"/{key}" else "other"]
+            where[method] = where.get(method, 0) + 1
+        moved = self.emulator.bytes_by_client()
+        return {"requests": requests, "bytes_up": sum(u for u, _ in moved.values()),
+                "bytes_down": sum(d for _, d in moved.values()), "slowdowns": self.emulator.slowdowns,
+                "clients": sorted(moved)}
+
+
+@contextlib.contextmanager
+def _shaping_proxy(upstream: str, store_preset: StorePreset, scale: float,
+                   seed: int) -> Iterator[tuple[str, EmulatorCounts]]:
+    from support.store_emulator import StoreEmulator
+
+    with StoreEmulator(upstream, store_preset, scale=scale, seed=seed, keep_events=2_000_000) as emu:
+        yield emu.url, EmulatorCounts(emu)
+
+
+# ------------------------------------------------------------------------------------ (a) sync DP
+@dataclass
+class DPResult:
+    rank: int
+    curve: list[tuple[float, int, float]] = field(default_factory=list)  # (s since start, step, eval loss)
+    wall_s: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    exchange_s: float = 0.0
+    phases_s: dict[str, float] = field(default_factory=dict)  # the exchange's phases, summed over steps
+    init_digest: str = ""
+    error: str | None = None
+
+
+def _digest(named: Any) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(named):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def dp_worker(rank: int, setup: Setup, url: str, run_id: str, barrier: Any, queue: Any) -> None:
+    """One DP replica: every step, its gradient is averaged through the store, then AdamW steps."""
+    out = DPResult(rank)
+    try:
+        import torch
+
+        from diloco_serverless.config import RunConfig
+        from diloco_serverless.data.builder import BatchBuilder
+        from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+        from diloco_serverless.loss import compose_loss
+        from diloco_serverless.trainer.model import build_model
+        from support.store_emulator import client_options
+
+        torch.set_num_threads(1)
+        cfg = RunConfig.load(None, setup.overrides())
+        model, tok = build_model(cfg.model, cfg.seed)
+        out.init_digest = _digest(model.named_parameters())
+        data = BatchBuilder.from_config(cfg, tok, rank=rank)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay,
+                                fused=True)
+        kwargs = cfg.loss.compose_kwargs()
+        options = client_options(rank) if url.startswith("s3://") else None  # the emulator's per-replica NIC
+        ar = ObjectStoreAllReduce(url, rank, setup.replicas, run_id=run_id, keep_rounds=2, storage_options=options,
+                                  poll_interval_s=setup.poll_interval_s, straggler_timeout_s=600, timeout_s=1200)
+        barrier.wait()
+        t0 = time.monotonic()
+        for step in range(setup.steps):
+            for group in opt.param_groups:
+                group["lr"] = cfg.inner.lr_at(step, setup.steps)
+            batch = data.next_batch()
+            opt.zero_grad(set_to_none=True)
+            compose_loss(model, batch, **kwargs).total.backward()  # type: ignore[no-untyped-call]
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+            t = time.monotonic()
+            mean = ar.allreduce(flat)
+            out.exchange_s += time.monotonic() - t
+            stats = ar.last_stats
+            if stats is not None:
+                out.bytes_up += stats.bytes_up
+                out.bytes_down += stats.bytes_down
+                for phase, sec in stats.phases_s.items():
+                    out.phases_s[phase] = out.phases_s.get(phase, 0.0) + sec
+            offset = 0
+            for p in params:
+                p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))  # type: ignore[union-attr]
+                offset += p.numel()
+            torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip, foreach=True)
+            opt.step()
+            if rank == 0 and (step + 1) % setup.sync_every == 0:
+                out.curve.append((time.monotonic() - t0, step + 1, _eval(model, data, compose_loss)))
+        out.wall_s = time.monotonic() - t0
+        ar.close()
+        data.close()
+    except BaseException as exc:  # reported to the parent, which says which rank failed and why
+        out.error = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):
+            barrier.abort()
+    queue.put(asdict(out))
+
+
+def _eval(model: Any, data: Any, compose_loss: Any) -> float:
+    """Mean lm_ce on the held-out batches, as ``ReplicaTrainer.evaluate`` computes it."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        losses = [float(compose_loss(model, b).lm_ce) for b in data.eval_batches()]
+    model.train()
+    return sum(losses) / max(1, len(losses))
+
+
+def run_dp(setup: Setup, site: StoreSite) -> dict[str, Any]:
+    """(a): N spawned processes (same environment as the DiLoCo replicas); rank 0's curve, summed bytes."""
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(setup.replicas), ctx.Queue()
+    run_id = f"dp-{uuid.uuid4().hex[:6]}"
+    site.reset()
+    with _environ({**RUN_ENV, **site.env}):
+        procs = [ctx.Process(target=dp_worker, args=(r, setup, site.url, run_id, barrier, queue))
+                 for r in range(setup.replicas)]
+        for p in procs:
+            p.start()
+        results = [queue.get(timeout=3600) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+    failed = [r for r in results if r["error"]]
+    if failed:
+        raise RuntimeError("sync DP failed: " + "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed))
+    r0 = next(r for r in results if r["rank"] == 0)
+    return {"curve": [tuple(c) for c in r0["curve"]], "wall_s": max(r["wall_s"] for r in results),
+            "steps": setup.steps, "exchanges": setup.steps, "bytes_up": sum(r["bytes_up"] for r in results),
+            "bytes_down": sum(r["bytes_down"] for r in results),
+            "exchange_s_mean": sum(r["exchange_s"] for r in results) / len(results) / setup.steps,
+            "compute_s_per_step": sum(r["wall_s"] - r["exchange_s"] for r in results) / len(results) / setup.steps,
+            "phases_s_mean": {k: sum(r["phases_s"].get(k, 0.0) for r in results) / len(results) / setup.steps
+                              for k in results[0]["phases_s"]},
+            "init_digests": sorted({r["init_digest"] for r in results}), "store": site.snapshot()}
+
+
+# ------------------------------------------------------------------------------------ (b) DiLoCo
+def run_diloco(setup: Setup, site: StoreSite, work: Path) -> dict[str, Any]:
+    """(b): the product, ``launch()`` on the local executor; the curve from the run's metrics."""
+    from safetensors.torch import load as st_load
+
+    from diloco_serverless.launcher.api import launch
+    from diloco_serverless.store.objectstore import ObjectStore
+    from diloco_serverless.trainer.checkpoint import INITIAL_KEY
+
+    run_id = f"diloco-{uuid.uuid4().hex[:6]}"
+    site.reset()
+    env = {**RUN_ENV, **site.env, "XDG_CACHE_HOME": str(work / "xdg-cache")}
+    with _environ(env):
+        t_launch = time.monotonic()
+        run = launch(None, "local", overrides=setup.overrides(setup.diloco_steps), store=site.url, run_id=run_id)
+        try:
+            status = run.wait(poll_interval_s=1.0, timeout_s=3600)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                run.cancel()
+            raise
+        total = time.monotonic() - t_launch
+        metrics = run.metrics()
+        initial = st_load(ObjectStore(run.url).get(INITIAL_KEY))
+    store = site.snapshot()
+    # each replica's first inner step: its round-0 record's time less the round's wall time (rank 0 also
+    # evaluated before writing it, so only the other ranks tell exactly; rank 0 starts no earlier than the
+    # first of them, since it writes the initial parameters the others wait for)
+    starts = [recs[0]["time"] - recs[0]["wall_s"] for rank, recs in metrics.items() if rank != 0 and recs]
+    start = min(starts or [metrics[0][0]["time"] - metrics[0][0]["wall_s"]])  # conservative: the first one
+    curve = [(m["time"] - start, (m["round"] + 1) * setup.sync_every, float(m["eval_loss"]))
+             for m in metrics.get(0, []) if "eval_loss" in m]
+    recs = [m for ms in metrics.values() for m in ms]
+    last = max(m["time"] for m in recs)
+    return {"curve": curve, "wall_s": last - start, "launch_to_done_s": total, "state": str(status.state),
+            "start_stagger_s": max(starts) - min(starts) if starts else 0.0,
+            "steps": setup.diloco_steps, "exchanges": setup.diloco_steps // setup.sync_every,
+            "bytes_up": sum(m.get("bytes_up", 0) for m in recs),
+            "bytes_down": sum(m.get("bytes_down", 0) for m in recs),
+            "exchange_s_mean": sum(m.get("exchange_s", 0.0) for m in recs) / max(1, len(recs)),
+            "init_digests": [_digest(initial.items())], "store": store}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ------------------------------------------------------------------------------------ analysis
+def time_to(curve: list[tuple[float, int, float]], target: float) -> tuple[float, int] | None:
+    """(seconds, steps) of the first evaluation at or below ``target``; None if never."""
+    for t, step, loss in curve:
+        if loss <= target + 1e-9:
+            return t, step
+    return None
+
+
+def loss_at(curve: list[tuple[float, int, float]], t: float) -> float | None:
+    """The last evaluated loss at or before ``t`` seconds (None before the first evaluation)."""
+    seen = [loss for s, _, loss in curve if s <= t + 1e-9]
+    return seen[-1] if seen else None
+
+
+def spend_usd(requests: dict[str, int], bytes_down: float, p: StorePreset) -> dict[str, float]:
+    """Store spend of ``requests`` (by method) and ``bytes_down`` at ``p``'s list prices."""
+    puts = sum(n for m, n in requests.items() if m in PUT_CLASS)
+    gets = sum(n for m, n in requests.items() if m in GET_CLASS)
+    req = puts / 1000 * p.usd_per_1k_put + gets / 1000 * p.usd_per_1k_get
+    return {"requests_usd": req, "egress_usd": bytes_down / 1e9 * p.usd_per_gb_egress, "put_class": puts,
+            "get_class": gets}
+
+
+def summarize(res: dict[str, Any], site_preset: StorePreset | None) -> dict[str, Any]:
+    """Times to loss, losses at equal time, exchange spend per arm (all from the measured curves)."""
+    a, b = res["arms"]["a_sync_dp"], res["arms"]["b_diloco"]
+    steps = res["setup"]["steps"]
+    b_equal = [c for c in b["curve"] if c[1] <= steps]  # (b) at equal tokens: its first T steps
+    a_final, b_final = a["curve"][-1][2], b_equal[-1][2]
+    out: dict[str, Any] = {"a_final_loss": a_final, "b_final_loss": b_final, "b_steps_run": b["steps"],
+                           "b_wall_equal_tokens_s": b_equal[-1][0]}
+    targets = [("a_final", a_final), ("common", max(a_final, b_final))]
+    if b["steps"] > steps:  # (b) trained longer: also where it ended
+        targets.append(("b_run_final", max(a_final, b["curve"][-1][2])))
+    for name, target in targets:
+        row = {"target_loss": target}
+        for key, arm in (("a", a), ("b", b)):
+            hit = time_to(arm["curve"], target)
+            row[key] = None if hit is None else {"wall_s": hit[0], "steps": hit[1],
+                                                 **_spend_share(arm, hit[1], site_preset)}
+        row["b_over_a_wall"] = (row["b"]["wall_s"] / row["a"]["wall_s"]
+                                if row["a"] and row["b"] else None)
+        out[name] = row
+    out["a_loss_when_b_done"] = loss_at(a["curve"], b_equal[-1][0])
+    a_step, b_step = a["wall_s"] / a["steps"], b["wall_s"] / b["steps"]
+    out["s_per_step"] = {"a": a_step, "b": b_step, "b_over_a": b_step / a_step}
+    out["b_loss_when_b_done"] = b_final
+    if site_preset is not None:  # what (a) would take if each exchange cost only its sequential first bytes
+        per_step = a["compute_s_per_step"] + ROUND_TRIPS * site_preset.first_byte_ms / 1000 / res["scale"]
+        floor = res["setup"]["steps"] * per_step
+        b_hit = out["a_final"]["b"]
+        out["a_floor"] = {"round_trips": ROUND_TRIPS, "s_per_step": per_step, "wall_s": floor,
+                          "b_over_a_floor": b_hit["wall_s"] / floor if b_hit else None}
+    ratio = out["a_final"]["b_over_a_wall"]
+    out["target"] = {"b_over_a_wall_max": 0.2, "b_over_a_wall": ratio, "met": ratio is not None and ratio <= 0.2}
+    return out
+
+
+def _spend_share(arm: dict[str, Any], steps: int, p: StorePreset | None) -> dict[str, Any]:
+    """Exchange requests, bytes and spend of ``arm`` up to ``steps`` (exchange traffic is the same every round)."""
+    frac = steps / arm["steps"]
+    ex = (arm.get("store") or {}).get("requests", {}).get("exchange", {})
+    requests = {m: n * frac for m, n in ex.items()}
+    moved = (arm["bytes_up"] + arm["bytes_down"]) * frac
+    out: dict[str, Any] = {"requests": sum(requests.values()) if ex else None, "bytes": moved}
+    if p is not None and ex:
+        out.update(spend_usd(requests, arm["bytes_down"] * frac, p))
+    return out
+
+
+# ------------------------------------------------------------------------------------ report
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f}"
+
+
+def _usd(row: dict[str, Any] | None, key: str) -> str:
+    return "-" if not row or key not in row else f"{row[key]:.4f}"
+
+
+def print_table(res: dict[str, Any]) -> None:
+    s, summ = res["setup"], res["summary"]
+    where = res["backend"] if res["preset"] is None else f"{res['preset']['name']} emulation (scale {res['scale']})"
+    print(f"\nTime to loss: tiny Qwen2 ({res['params']:,} params), N={s['replicas']}, T={s['steps']} steps x "
+          f"{s['batch']}x{s['seq_len']} tokens per replica (both arms), H={s['sync_every']}, store: {where}")
+    if s["diloco_factor"] > 1:
+        print(f"(b) ran {s['diloco_factor']}x T = {summ['b_steps_run']} steps; its equal-token results are its first T")
+    print(f"same init: {res['same_init']}")
+    labels = (("a_final", "to (a)'s final loss"), ("common", "to the higher final loss at T steps"),
+              ("b_run_final", f"to the higher final loss, (b) after {summ['b_steps_run']} steps"))
+    for name, label in labels:
+        if name not in summ:
+            continue
+        row = summ[name]
+        print(f"\n{label} {row['target_loss']:.4f}")
+        print(f"{'arm':<16}{'wall s':>9}{'steps':>7}{'requests':>10}{'MB moved':>10}{'req $':>9}{'egress $':>10}")
+        for key, arm_label in (("a", "(a) sync DP"), ("b", "(b) DiLoCo")):
+            r = row[key]
+            if r is None:
+                print(f"{arm_label:<16}  not reached in {res['arms']['b_diloco']['steps']} steps")
+                continue
+            req = "-" if r["requests"] is None else f"{r['requests']:.0f}"
+            print(f"{arm_label:<16}{r['wall_s']:>9.1f}{r['steps']:>7}{req:>10}{_mb(r['bytes']):>10}"
+                  f"{_usd(r, 'requests_usd'):>9}{_usd(r, 'egress_usd'):>10}")
+        ratio = row["b_over_a_wall"]
+        print(f"(b)/(a) wall: {'-' if ratio is None else f'{ratio:.3f}x'}")
+    a, b = res["arms"]["a_sync_dp"], res["arms"]["b_diloco"]
+    a_then = summ["a_loss_when_b_done"]
+    print(f"\nequal wall time ({summ['b_wall_equal_tokens_s']:.1f} s, (b) at T steps): (a) at "
+          f"{'no eval yet' if a_then is None else f'{a_then:.4f}'}, (b) at {summ['b_loss_when_b_done']:.4f}")
+    sps = summ["s_per_step"]
+    print(f"wall time per step (all replicas, evals and exchanges included): (a) {sps['a']:.3f} s, "
+          f"(b) {sps['b']:.3f} s, (b)/(a) {sps['b_over_a']:.3f}x")
+    floor = summ.get("a_floor")
+    if floor:
+        ratio = "-" if floor["b_over_a_floor"] is None else f"{floor['b_over_a_floor']:.3f}x"
+        print(f"(a) floor: {floor['wall_s']:.1f} s = T x ({a['compute_s_per_step'] * 1e3:.0f} ms compute + "
+              f"{floor['round_trips']} sequential first bytes) per step; (b) to (a)'s final loss / floor: {ratio}")
+    phases = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in a["phases_s_mean"].items())
+    print(f"full runs: (a) {a['wall_s']:.1f} s, {a['exchange_s_mean'] * 1e3:.0f} ms/exchange ({phases} ms) "
+          f"x {a['exchanges']}; "
+          f"(b) {b['wall_s']:.1f} s ({b['launch_to_done_s']:.1f} s launch to done), "
+          f"{b['exchange_s_mean'] * 1e3:.0f} ms/exchange x {b['exchanges']}")
+    for key, label in (("a_sync_dp", "(a)"), ("b_diloco", "(b)")):
+        print(f"{label} eval curve (s, step, loss): "
+              + ", ".join(f"({t:.1f}, {st}, {lo:.3f})" for t, st, lo in res["arms"][key]["curve"]))
+    t = summ["target"]
+    verdict = "-" if t["b_over_a_wall"] is None else f"{t['b_over_a_wall']:.3f}x"
+    print(f"target: (b) reaches (a)'s final eval loss in <= 0.2x (a)'s wall time: {verdict} "
+          f"({'met' if t['met'] else 'NOT met'})")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"T={QUICK.steps} (default T={FULL.steps})")
+    parser.add_argument("--replicas", type=int, default=None, help="N (default 4)")
+    parser.add_argument("--steps", type=int, default=None, help="T, inner steps per replica (a multiple of H)")
+    parser.add_argument("--sync-every", type=int, default=None, help="H (default 16)")
+    parser.add_argument("--backend", choices=("s3", "file"), default="s3")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="s3-standard")
+    parser.add_argument("--scale", type=float, default=1.0, help="emulator time scale (1 = real time)")
+    parser.add_argument("--arms", default="ab", help="which arms to run: a, b or ab")
+    parser.add_argument("--diloco-factor", type=int, default=None, metavar="K",
+                        help="(b) trains K x T steps (same data stream, constant lr), to measure when it reaches "
+                             "(a)'s final loss; its equal-token results are read at step T (default 1)")
+    parser.add_argument("--set", action="append", default=[], metavar="K=V", dest="overrides",
+                        help="RunConfig override for both arms, e.g. inner.lr=1e-3 (repeatable)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    setup = QUICK if args.quick else FULL
+    for name, value in (("replicas", args.replicas), ("steps", args.steps), ("sync_every", args.sync_every),
+                        ("diloco_factor", args.diloco_factor)):
+        if value is not None:
+            setup = replace(setup, **{name: value})
+    if args.overrides:
+        setup = replace(setup, extra=tuple(args.overrides))
+    if setup.steps % setup.sync_every:
+        parser.error(f"--steps {setup.steps} must be a multiple of H={setup.sync_every} (both arms train T steps)")
+    args.setup = setup
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    setup: Setup = args.setup
+    from diloco_serverless.config import RunConfig
+    from diloco_serverless.trainer.model import build_model, count_parameters
+
+    store_preset = preset(args.preset)
+    res: dict[str, Any] = {"setup": asdict(setup), "backend": args.backend, "scale": args.scale,
+                           "preset": store_preset.to_json() if args.backend == "s3" else None,
+                           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                       "load_avg": os.getloadavg()}, "arms": {}}
+    cfg = RunConfig.load(None, setup.overrides())
+    if setup.diloco_factor > 1 and cfg.inner.schedule != "constant":
+        raise SystemExit(f"--diloco-factor {setup.diloco_factor} reads (b) at T steps from a longer run, which is the "
+                         f"equal-token run only with inner.schedule = \"constant\" (got {cfg.inner.schedule!r}); "
+                         "drop --diloco-factor or the schedule override")
+    res["params"] = count_parameters(build_model(cfg.model, 0)[0])
+    with tempfile.TemporaryDirectory(prefix="ttl-bench-") as tmp, \
+            open_site(args.backend, Path(tmp), store_preset, args.scale, 0) as site:
+        if "a" in args.arms:
+            res["arms"]["a_sync_dp"] = run_dp(setup, site)
+            print(f"a_sync_dp: {json.dumps(res['arms']['a_sync_dp'])}", flush=True)
+        if "b" in args.arms:
+            res["arms"]["b_diloco"] = run_diloco(setup, site, Path(tmp))
+            print(f"b_diloco: {json.dumps(res['arms']['b_diloco'])}", flush=True)
+    if len(res["arms"]) == 2:
+        digests = {d for arm in res["arms"].values() for d in arm["init_digests"]}
+        res["same_init"] = len(digests) == 1
+        res["summary"] = summarize(res, store_preset if args.backend == "s3" else None)
+        print_table(res)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Large objects on S3 as parallel parts: multipart PUTs and ranged GETs, with no HEAD.
+
+One request moves ~50-100 MB/s on a real store, far below a replica's NIC, so an object larger than
+:attr:`TransferPolicy.part_size` goes up as an S3 multipart upload whose parts are sent
+``concurrency`` at a time, and comes down as ranged GETs, ``concurrency`` at a time. Objects up to
+``part_size`` stay single requests (a PUT, or one GET).
+
+* **No HEAD before GET.** The first GET asks for ``bytes=0-<part_size - 1>``; its ``Content-Range``
+  (``bytes 0-x/<total>``) gives the object's size, and only then are the other ranges requested, each
+  with ``If-Match: <etag of the first answer>``. An object replaced between two ranges answers 412:
+  the read raises a ``ConnectionError`` (transient, :func:`object_changed`), and the caller's retry
+  starts over, so a reader never returns parts of two versions. An empty object answers the first
+  range with 416, read as ``b""``.
+* **Size bound known: all ranges at once.** A reader that bounds the size (``max_bytes``, as the
+  exchange does for every shard object) and allows more than one part sends the ranges covering
+  ``[0, max_bytes]`` together, without waiting for the first: ranges past the end answer 416 and are
+  empty, and every answer must carry the same ETag and size (else the read restarts, as above).
+* **Create-only multipart.** ``put_if_absent`` completes the upload with ``If-None-Match: *``: S3
+  answers 412 if the key exists (s3fs raises ``FileExistsError``), exactly like a create-only
+  ``PutObject``. An upload that fails is aborted (best effort) so no parts linger.
+* **Per-part retries.** A part that fails transiently (503 SlowDown, a dropped connection) is re-sent
+  on its own, with the caller's :class:`~diloco_serverless.store.retry.RetryPolicy` backoff, within the
+  operation's deadline; other errors abort the whole transfer.
+
+The functions here are coroutines for s3fs's event loop; :class:`~diloco_serverless.store.ObjectStore`
+runs them under its retry policy and deadline, and maps their errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from diloco_serverless.store.errors import is_range_unsatisfiable, is_transient
+from diloco_serverless.store.retry import RetryPolicy
+
+__all__ = [
+    "MIN_PART_SIZE",
+    "MAX_PARTS",
+    "object_changed",
+    "TransferPolicy",
+    "s3_get",
+    "s3_put_parts",
+]
+
+T = TypeVar("T")
+MiB = 1 << 20
+#: S3's smallest part (all but the last) of a multipart upload.
+MIN_PART_SIZE = 5 * MiB
+#: S3's most parts per upload; larger objects get larger parts.
+MAX_PARTS = 10_000
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+
+
+def object_changed(bucket: str, key: str, detail: str) -> ConnectionError:
+    """The error of a read whose object was replaced between two of its ranged GETs: a plain
+    ``ConnectionError``, i.e. transient, so the operation's retry reads the object again from byte 0."""
+    return ConnectionError(f"s3://{bucket}/{key} changed while it was read in parts ({detail}); reading it again")
+
+
+@dataclass(frozen=True)
+class TransferPolicy:
+    """How large objects travel (S3; other back ends ignore it).
+
+    Attributes:
+        part_size: bytes per part; objects up to this size are one request. At least 5 MiB (S3's
+            smallest multipart part).
+        concurrency: parts of one object in flight at once (>= 1; 1 still splits, sequentially).
+    """
+
+    part_size: int = 16 * MiB
+    concurrency: int = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.part_size, int) or self.part_size < MIN_PART_SIZE:
+            raise ValueError(f"TransferPolicy.part_size must be an int >= {MIN_PART_SIZE} bytes (5 MiB, S3's "
+                             f"smallest multipart part), got {self.part_size!r}")
+        if not isinstance(self.concurrency, int) or self.concurrency < 1:
+            raise ValueError(f"TransferPolicy.concurrency must be an int >= 1, got {self.concurrency!r}")
+
+    @classmethod
+    def from_mb(cls, part_size_mb: float, concurrency: int) -> TransferPolicy:
+        """From a config's ``part_size_mb`` (MiB) and ``part_concurrency``."""
+        return cls(part_size=int(part_size_mb * MiB), concurrency=concurrency)
+
+    def part_size_for(self, size: int) -> int:
+        """The part size for an object of ``size`` bytes: :attr:`part_size`, enlarged so that no
+        upload needs more than S3's 10,000 parts."""
+        return max(self.part_size, -(-size // MAX_PARTS))
+
+    def ranges(self, size: int, start: int = 0) -> list[tuple[int, int]]:
+        """``[start, size)`` cut into ``(first, end)`` byte ranges of :meth:`part_size_for` bytes."""
+        step = self.part_size_for(size)
+        return [(lo, min(lo + step, size)) for lo in range(start, size, step)]
+
+
+async def _retrying(call: Callable[[], Awaitable[T]], retry: RetryPolicy, deadline: float) -> T:
+    """``await call()``, re-trying transient errors with ``retry``'s backoff until its attempts or
+    ``deadline`` (``time.monotonic``) run out; the last error propagates."""
+    n = 1
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not is_transient(exc) or n >= retry.max_attempts:
+                raise
+            pause = retry.delay_s(n)
+            if time.monotonic() + pause >= deadline:
+                raise
+            await asyncio.sleep(pause)
+            n += 1
+
+
+async def _read_body(resp: dict[str, Any]) -> bytes:
+    body = resp["Body"]
+    try:
+        return bytes(await body.read())
+    finally:
+        body.close()
+
+
+def _total_size(resp: dict[str, Any], got: int) -> int:
+    """Object size from a ranged answer's ``Content-Range``; a server that ignored the range (200,
+    whole object) sent everything: ``got``."""
+    m = _CONTENT_RANGE.match(str(resp.get("ContentRange") or ""))
+    if m is None or m.group(3) == "*":
+        return got
+    return int(m.group(3))
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    cur: BaseException | None = exc
+    for _ in range(8):
+        if cur is None:
+            return False
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+async def s3_get(fs: Any, bucket: str, key: str, policy: TransferPolicy, retry: RetryPolicy, deadline: float,
+                 limit: int | None = None, too_large: Callable[[int], BaseException] | None = None) -> bytes:
+    """The object's bytes via ranged GETs (see the module docstring); never a HEAD.
+
+    With ``limit``, the first range is at most ``limit + 1`` bytes and an object larger than ``limit``
+    raises ``too_large(size)`` before anything else is read.
+    """
+    if limit is not None and limit + 1 > policy.part_size:
+        return await _s3_get_bounded(fs, bucket, key, policy, retry, deadline, limit, too_large)
+    first = policy.part_size if limit is None else min(policy.part_size, limit + 1)
+    try:
+        resp = await _retrying(lambda: fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                                   Range=f"bytes=0-{max(first, 1) - 1}"), retry, deadline)
+    except OSError as exc:
+        if is_range_unsatisfiable(exc):
+            return b""  # S3's answer to a range of an empty object
+        raise
+    head = await _read_body(resp)
+    total = _total_size(resp, len(head))
+    if limit is not None and total > limit:
+        raise (too_large(total) if too_large is not None else ValueError(f"object larger than {limit} bytes"))
+    if total <= len(head):
+        return head
+    etag = resp.get("ETag")
+    out = bytearray(total)
+    out[:len(head)] = head
+    gate = asyncio.Semaphore(policy.concurrency)
+
+    async def one(lo: int, hi: int) -> None:
+        match = {"IfMatch": etag} if etag else {}
+
+        async def call() -> bytes:
+            part = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}", **match)
+            return await _read_body(part)
+
+        async with gate:
+            try:
+                data = await _retrying(call, retry, deadline)
+            except OSError as exc:
+                if _is_precondition_failed(exc):
+                    raise object_changed(bucket, key, "its ETag no longer matches") from exc
+                raise
+        if len(data) != hi - lo:
+            raise object_changed(bucket, key, f"range {lo}-{hi - 1} returned {len(data)} bytes")
+        out[lo:hi] = data
+
+    await _gather_all([one(lo, hi) for lo, hi in policy.ranges(total, start=len(head))])
+    return bytes(out)
+
+
+async def _s3_get_bounded(fs: Any, bucket: str, key: str, policy: TransferPolicy, retry: RetryPolicy,
+                          deadline: float, limit: int, too_large: Callable[[int], BaseException] | None) -> bytes:
+    """Every range of ``[0, limit]`` at once (see the module docstring); the object's bytes."""
+    spans = policy.ranges(limit + 1)
+    got: list[tuple[bytes, str | None, int | None]] = [(b"", None, None)] * len(spans)
+    gate = asyncio.Semaphore(policy.concurrency)
+
+    async def one(i: int, lo: int, hi: int) -> None:
+        async with gate:
+            try:
+                resp = await _retrying(lambda: fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                                           Range=f"bytes={lo}-{hi - 1}"), retry, deadline)
+            except OSError as exc:
+                if is_range_unsatisfiable(exc):
+                    return  # past the end (or an empty object)
+                raise
+            data = await _read_body(resp)
+        ranged = _CONTENT_RANGE.match(str(resp.get("ContentRange") or ""))
+        got[i] = (data, resp.get("ETag"), _total_size(resp, len(data)) if ranged or lo == 0 else None)
+
+    await _gather_all([one(i, lo, hi) for i, (lo, hi) in enumerate(spans)])
+    etags = {etag for _, etag, total in got if total is not None}
+    totals = {total for _, _, total in got if total is not None}
+    if len(etags) > 1 or len(totals) > 1:
+        raise object_changed(bucket, key, "its parts came from different versions")
+    total = totals.pop() if totals else 0
+    if total > limit:
+        raise (too_large(total) if too_large is not None else ValueError(f"object larger than {limit} bytes"))
+    data = b"".join(part for part, _, _ in got)[:total]
+    if len(data) != total:
+        raise object_changed(bucket, key, f"{len(data)} of {total} bytes came back")
+    return data
+
+
+async def _gather_all(coros: list[Awaitable[Any]]) -> list[Any]:
+    """Run ``coros`` together; on the first failure cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def s3_put_parts(fs: Any, bucket: str, key: str, data: bytes, policy: TransferPolicy, retry: RetryPolicy,
+                       deadline: float, *, create_only: bool) -> None:
+    """Upload ``data`` as a multipart upload, parts in parallel. With ``create_only`` the completion
+    carries ``If-None-Match: *`` and an existing key raises ``FileExistsError`` (from s3fs)."""
+    view = memoryview(data)
+    mpu = await _retrying(lambda: fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key), retry, deadline)
+    upload_id = mpu["UploadId"]
+    gate = asyncio.Semaphore(policy.concurrency)
+
+    async def one(number: int, lo: int, hi: int) -> dict[str, Any]:
+        async with gate:
+            answer = await _retrying(lambda: fs._call_s3(
+                "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                Body=bytes(view[lo:hi])), retry, deadline)
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    try:
+        parts = await _gather_all([one(i + 1, lo, hi) for i, (lo, hi) in enumerate(policy.ranges(len(data)))])
+        match = {"IfNoneMatch": "*"} if create_only else {}
+        await _retrying(lambda: fs._call_s3(
+            "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+            MultipartUpload={"Parts": parts}, **match), retry, deadline)
+    except BaseException:
+        try:  # best effort: no orphaned parts (a bucket lifecycle rule catches the rest)
+            await asyncio.wait_for(fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key,
+                                               UploadId=upload_id), timeout=10)
+        except Exception:  # noqa: S110 - the original error is what matters
+            pass
+        raise
+    fs.invalidate_cache(f"{bucket}/{key}")
