@@ -74,3 +74,16 @@ def test_a_killed_local_process_fails_the_replica(tmp_path: Path, monkeypatch: p
     threading.Thread(target=kill_rank_1, daemon=True).start()
     code, records = _run(tmp_path, "hang,hang", monkeypatch)
     assert code == 1 and not any(_alive(r["pid"]) for r in records)
+
+
+def test_a_replica_whose_processes_stop_before_the_deadline_continues(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 75 from every local process (one decision, local rank 0's) is the replica's exit 75: the
+    executor starts a fresh attempt; a 75 beside a failure is still a failure."""
+    code, _ = _run(tmp_path, "exit75,exit75", monkeypatch)
+    assert code == 75
+    for f in tmp_path.glob("*.json"):
+        f.unlink()
+    code, _ = _run(tmp_path, "exit75,exit1", monkeypatch)
+    assert code == 1
