@@ -3,6 +3,8 @@
 Run (from the repo root, venv active):
     python benchmarks/scale.py            # simulation N in {8, 64, 256, 1024} + real run N in {2..32}
     python benchmarks/scale.py --quick    # simulation + real run N in {2, 4, 8}
+    python benchmarks/scale.py --processes  # real run: one spawned process per replica, N in {8, 16, 32}
+                                            # (writes results/scale_processes.json; ~3 min on 2 cores)
 
 Prints tables and writes benchmarks/results/scale.json.
 
@@ -15,14 +17,20 @@ the per-prefix request-rate limits, with the prefix taken as the first ``prefix_
 below the bucket of ``s3://bucket/<run_id>/<key>`` (so ``<run_id>/x<hh>`` for a spread key). Phases
 run in lockstep (every replica needs the previous phase's objects); a phase lasts as long as its
 slowest replica (ceil(requests / 16 connections) x latency + bytes / bandwidth), stretched where a
-prefix's requests exceed its rate limit (what a store's 503 SlowDown + retry does). Each waiting
-phase costs one extra poll per replica (a LIST of ready markers, or GETs of objects not yet there):
-the real exchange backs off from 20 ms, so on a store with 60 ms latency most waits see one poll.
+prefix's requests exceed its rate limit (what a store's 503 SlowDown + retry does). Waiting costs
+what the real code's polls cost when each wait sees one empty poll: the quorum two LISTs of the
+ready markers and two GETs of quorum.json (plus the first GET that finds none), a hierarchical wait
+one GET of one missing object (exchange/hierarchical.py polls one object, then fetches the rest).
 
-Part 2, real run: ObjectStoreAllReduce itself, N replicas as threads in one process (2-core VM: one
-process per replica does not fit at N = 32), on file://, 1 MB fp32 tensors, one warm-up round then
-one timed round: wall time, bytes per replica (the exchange's own counters) vs the bound, for flat,
-hierarchical and auto (direct at N = 2), plus the naive exchange's bytes (N-1)P down at the same N.
+Cross-check: the real ObjectStoreAllReduce with N threads and 1,024-element tensors on file://,
+through a store that counts every request, against the schedule at the same N (3 levels forced at
+N = 27 and 64). The real count is higher where threads on 2 cores arrive spread out and poll more.
+
+Part 2, real run: ObjectStoreAllReduce itself, N replicas as threads in one process, or with
+``--processes`` one spawned process per replica (N in {8, 16, 32}), on file://, 1 MB fp32 tensors,
+one warm-up round then one timed round: wall time, bytes per replica (the exchange's own counters)
+vs the bound, requests per replica, for flat, hierarchical and auto (direct at N = 2), plus the
+naive exchange's bytes (N-1)P down at the same N.
 """
 
 from __future__ import annotations
@@ -33,7 +41,6 @@ import math
 import platform
 import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -44,8 +51,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from diloco_serverless.exchange import topology as topology_module  # noqa: E402
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce  # noqa: E402
-from diloco_serverless.exchange.topology import AUTO_HIERARCHICAL_FROM, group_count, group_size  # noqa: E402
+from diloco_serverless.exchange.topology import AUTO_HIERARCHICAL_FROM, branching, levels  # noqa: E402
 from diloco_serverless.launcher.pricing import MODAL_USD_PER_HOUR  # noqa: E402
 from diloco_serverless.run.layout import (  # noqa: E402
     contrib_key,
@@ -56,6 +64,7 @@ from diloco_serverless.run.layout import (  # noqa: E402
     reduced_key,
     spread_count,
 )
+from diloco_serverless.store.objectstore import ObjectStore  # noqa: E402
 from support.store_presets import StorePreset, preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale.json"
@@ -85,19 +94,23 @@ def _bounds(p: int, s: int) -> list[int]:
 
 
 def schedule(n: int, topology: str, p: int) -> list[Phase]:
-    """One round's requests per replica, phase by phase (all N take part; nobody dies)."""
+    """One round's requests per replica, phase by phase (all N take part; nobody dies), as
+    ObjectStoreAllReduce issues them (cross-checked against the real code by ``--check``)."""
     spread = spread_count(n)
     hier = topology == "hierarchical"
-    s = group_size(n) if hier else n
+    s = branching(n) if hier else n
     size = _bounds(p, s)
     obj = [b + HEADER_BYTES for b in size]
     pub, quo = Phase("publish"), Phase("quorum")
+    pages = max(1, math.ceil(n / 1000))
     for q in range(n):
+        pub.reqs[q].append(Req("GET", quorum_key(0)))  # is there a quorum already? (a miss)
         pub.reqs[q] += [Req("PUT", contrib_key(0, j, q, spread), obj[j]) for j in range(s)]
         pub.reqs[q].append(Req("PUT", ready_key(0, q), 300))
-        quo.reqs[q] += [Req("LIST", ready_prefix(0)) for _ in range(max(1, math.ceil(n / 1000)) * 2)]  # + 1 poll
-        quo.reqs[q].append(Req("GET", quorum_key(0), 300 * n))
-    quo.reqs[0] += [Req("GET", ready_key(0, q), 300) for q in range(n)] + [Req("PUT", quorum_key(0), 300 * n)]
+        # two polls: LIST the ready markers (one page per 1,000) and, once all are ready, GET quorum.json
+        quo.reqs[q] += [Req("LIST", ready_prefix(0)) for _ in range(2 * pages)]
+        quo.reqs[q] += [Req("GET", quorum_key(0)), Req("GET", quorum_key(0), 300 * n)]
+    quo.reqs[0] += [Req("GET", ready_key(0, q), 300) for q in range(1, n)] + [Req("PUT", quorum_key(0), 300 * n)]
     phases = [pub, quo]
     if not hier:
         red, gat = Phase("reduce"), Phase("gather")
@@ -110,24 +123,52 @@ def schedule(n: int, topology: str, p: int) -> list[Phase]:
             gat.reqs[q] += [Req("GET", reduced_key(0, j, spread), obj[j]) for j in others]
             gat.reqs[q].append(Req("GET", reduced_key(0, others[0], spread)))  # one poll that missed
         return phases + [red, gat]
-    g, groups = group_size(n), group_count(n)
-    members = {k: [q for q in range(n) if q // g == k] for k in range(groups)}
-    part, red, gat = Phase("partial"), Phase("reduce"), Phase("gather")
-    for k, mem in members.items():
-        for j in range(s):
-            owner = mem[j % len(mem)]
-            part.reqs[owner] += [Req("GET", contrib_key(0, j, q, spread), obj[j]) for q in mem if q != owner]
-            part.reqs[owner].append(Req("PUT", partial_key(0, k, j, spread), size[j] + HEADER_BYTES))
-    for j in range(s):
-        owner = n - 1 - j % n
-        red.reqs[owner] += [Req("GET", partial_key(0, k, j, spread), size[j] + HEADER_BYTES) for k in range(groups)]
-        red.reqs[owner].append(Req("GET", partial_key(0, 0, j, spread)))  # one poll that missed
-        red.reqs[owner].append(Req("PUT", reduced_key(0, j, spread), obj[j]))
+    return phases + _tree_phases(n, s, size, spread)
+
+
+def _tree_phases(n: int, s: int, size: list[int], spread: int) -> list[Phase]:
+    """The hierarchical round's phases (exchange/hierarchical.py): one per level, then the gather.
+    A replica waiting for objects GETs one of them (rotated by rank) until it appears, then the rest:
+    one missed poll per wait."""
+    depth, c = levels(n), branching(n)
+    members: dict[tuple[int, int], list[int]] = defaultdict(list)
     for q in range(n):
-        mine = {j for j in range(s) if n - 1 - j % n == q}
-        gat.reqs[q] += [Req("GET", reduced_key(0, j, spread), obj[j]) for j in range(s) if j not in mine]
-        gat.reqs[q] += [Req("GET", reduced_key(0, j, spread)) for j in range(s) if j not in mine]  # one missed poll
-    return phases + [part, red, gat]
+        for lv in range(1, depth + 1):
+            members[(lv, q // c**lv)].append(q)
+
+    def owner(lv: int, k: int, j: int) -> int:
+        m = members[(lv, k)]
+        return m[j % len(m)] if lv == 1 else m[(len(m) - 1 - j) % len(m)]
+
+    def key(lv: int, k: int, j: int) -> str:
+        return reduced_key(0, j, spread) if lv == depth else partial_key(0, k, j, spread, level=lv)
+
+    held: dict[int, set[tuple[int, int, int]]] = defaultdict(set)
+    phases = []
+    for lv in range(1, depth + 1):
+        ph = Phase("reduce" if lv == depth else f"partial{lv}" if depth > 2 else "partial")
+        for k in sorted({g for (lev, g) in members if lev == lv}):
+            for j in range(s):
+                o = owner(lv, k, j)
+                if lv == 1:
+                    ph.reqs[o] += [Req("GET", contrib_key(0, j, q, spread), size[j] + HEADER_BYTES)
+                                   for q in members[(1, k)] if q != o]
+                else:
+                    kids = sorted({q // c ** (lv - 1) for q in members[(lv, k)]})
+                    need = [i for i in kids if (lv - 1, i, j) not in held[o]]
+                    if need:
+                        ph.reqs[o].append(Req("GET", key(lv - 1, need[o % len(need)], j)))  # the missed poll
+                    ph.reqs[o] += [Req("GET", key(lv - 1, i, j), size[j] + HEADER_BYTES) for i in need]
+                ph.reqs[o].append(Req("PUT", key(lv, k, j), size[j] + HEADER_BYTES))
+                held[o].add((lv, k, j))
+        phases.append(ph)
+    gat = Phase("gather")
+    for q in range(n):
+        need = [j for j in range(s) if (depth, 0, j) not in held[q]]
+        if need:
+            gat.reqs[q].append(Req("GET", key(depth, 0, need[q % len(need)])))  # the missed poll
+        gat.reqs[q] += [Req("GET", key(depth, 0, j), size[j] + HEADER_BYTES) for j in need]
+    return phases + [gat]
 
 
 def prefix_of(key: str, depth: int) -> str:
@@ -174,6 +215,7 @@ def simulate(n: int, topology: str, p: int, st: StorePreset) -> dict[str, Any]:
     return {
         "n": n,
         "topology": topology,
+        "levels": levels(n) if topology == "hierarchical" else None,
         "spread_prefixes": spread_count(n),
         "reqs_per_replica_mean": mean_reqs,
         "reqs_per_replica_max": max(reqs.values()),
@@ -194,48 +236,126 @@ def simulate(n: int, topology: str, p: int, st: StorePreset) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- real run
 
 
-def real_round(url: str, n: int, topology: str, numel: int) -> dict[str, Any]:
-    """One warm-up and one timed round of ObjectStoreAllReduce with N threads on ``url``."""
-    out: dict[int, Any] = {}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(n)
+class RequestCounter(ObjectStore):
+    """An ObjectStore that counts the requests the exchange issues through it (one per GET, PUT,
+    create-only PUT, LIST page, existence check; deletes counted apart: pruning is not in the round)."""
 
-    def one(r: int) -> None:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(r))
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def _same(self, other: ObjectStore) -> ObjectStore:
+        other.__class__ = RequestCounter  # child()/with_retry() build a plain ObjectStore sharing our __dict__
+        return other
+
+    def child(self, prefix: str) -> ObjectStore:
+        return self._same(super().child(prefix))
+
+    def with_retry(self, retry: Any) -> ObjectStore:
+        return self._same(super().with_retry(retry))
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        self.counts["GET"] += 1
+        return super().get(key, max_bytes=max_bytes)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.counts["PUT"] += 1
+        super().put(key, data)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self.counts["PUT"] += 1
+        return super().put_if_absent(key, data)
+
+    def list(self, prefix: str = "") -> list[str]:
+        out = super().list(prefix)
+        self.counts["LIST"] += max(1, math.ceil(len(out) / 1000))
+        return out
+
+    def exists(self, key: str) -> bool:
+        self.counts["HEAD"] += 1
+        return super().exists(key)
+
+    def delete(self, key: str, *, recursive: bool = False) -> None:
+        self.counts["DELETE"] += 1
+        super().delete(key, recursive=recursive)
+
+
+def _replica(
+    url: str, r: int, n: int, topology: str, numel: int, rounds: int, three_from: int
+) -> tuple[float, int, int]:
+    """One replica: ``rounds`` rounds of ObjectStoreAllReduce (the last one timed); returns
+    (wall s of the last round, its bytes, its requests without deletes)."""
+    topology_module.THREE_LEVELS_FROM = three_from  # a spawned process starts from the module default
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(r))
+    store = RequestCounter(url)
+    with ObjectStoreAllReduce(store, r, n, run_id="scale", topology=topology, poll_interval_s=0.05,
+                              straggler_timeout_s=60, takeover_timeout_s=60, timeout_s=300) as ar:
+        for _ in range(rounds):
+            before = sum(v for k, v in store.counts.items() if k != "DELETE")
+            t = time.perf_counter()
+            ar.allreduce(x)
+            wall = time.perf_counter() - t
+        assert ar.last_stats is not None
+        reqs = sum(v for k, v in store.counts.items() if k != "DELETE") - before
+        return wall, ar.last_stats.bytes_up + ar.last_stats.bytes_down, reqs
+
+
+def real_round(url: str, n: int, topology: str, numel: int, *, processes: bool = False, rounds: int = 2,
+               three_from: int | None = None) -> dict[str, Any]:
+    """``rounds`` rounds of ObjectStoreAllReduce with N replicas (threads, or spawned processes) on
+    ``url``; wall time, bytes vs the bound and requests of the last round."""
+    three = topology_module.THREE_LEVELS_FROM if three_from is None else three_from
+    args = [(url, r, n, topology, numel, rounds, three) for r in range(n)]
+    if processes:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(n) as pool:
+            res = pool.starmap(_replica, args)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        saved = topology_module.THREE_LEVELS_FROM
         try:
-            with ObjectStoreAllReduce(url, r, n, run_id="scale", topology=topology, poll_interval_s=0.05,
-                                      straggler_timeout_s=30, takeover_timeout_s=30, timeout_s=300) as ar:
-                ar.allreduce(x)
-                barrier.wait()
-                t = time.perf_counter()
-                ar.allreduce(x)
-                wall = time.perf_counter() - t
-                assert ar.last_stats is not None
-                out[r] = (wall, ar.last_stats.bytes_up + ar.last_stats.bytes_down)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+            with ThreadPoolExecutor(n) as ex:
+                res = list(ex.map(lambda a: _replica(*a), args))
+        finally:
+            topology_module.THREE_LEVELS_FROM = saved
     p = numel * 4
     bound = p + 2 * p * (n - 1) / n
     return {
         "n": n,
         "topology": topology,
-        "wall_s": max(w for w, _ in out.values()),
-        "bytes_per_replica_vs_bound": sum(b for _, b in out.values()) / n / bound,
+        "levels": levels(n) if topology == "hierarchical" else None,
+        "processes": processes,
+        "wall_s": max(w for w, _, _ in res),
+        "bytes_per_replica_vs_bound": sum(b for _, b, _ in res) / n / bound,
+        "bytes_per_replica_max_vs_bound": max(b for _, b, _ in res) / bound,
+        "reqs_per_replica_mean": sum(q for _, _, q in res) / n,
         "naive_bytes_vs_bound": (p + (n - 1) * p) / bound,
     }
+
+
+def cross_check(n: int, topology: str, three_from: int) -> dict[str, Any]:
+    """Requests per replica of one round: the real code (threads, tiny tensors, counting store) vs the schedule."""
+    saved = topology_module.THREE_LEVELS_FROM
+    topology_module.THREE_LEVELS_FROM = three_from
+    try:
+        sim = schedule(n, topology, 4096)
+        sim_reqs = sum(len(rs) for ph in sim for rs in ph.reqs.values()) / n
+        depth = levels(n)
+    finally:
+        topology_module.THREE_LEVELS_FROM = saved
+    with tempfile.TemporaryDirectory() as d:
+        real = real_round(Path(d).as_uri(), n, topology, 1024, rounds=1, three_from=three_from)
+    return {"n": n, "topology": topology, "levels": depth if topology == "hierarchical" else None,
+            "real_reqs_per_replica": real["reqs_per_replica_mean"], "sim_reqs_per_replica": sim_reqs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="real run only at N in {2, 4, 8}")
+    ap.add_argument("--processes", action="store_true",
+                    help="real run with one spawned process per replica, N in {8, 16, 32} (instead of threads)")
     ap.add_argument("--preset", default="s3-standard", help="store preset (tests/support/store_presets.py)")
     ap.add_argument("--params", type=float, default=100e6, help="simulated pseudo-gradient size (fp32 elements)")
     args = ap.parse_args()
@@ -244,10 +364,11 @@ def main() -> None:
     sim = [simulate(n, t, p, st) for n in (8, 64, 256, 1024) for t in ("flat", "hierarchical")]
     print(f"Simulation: preset {st.name}, P = {p / 1e6:.0f} MB fp32, {CONNECTIONS} connections/replica, "
           f"round = {INNER_STEPS} inner steps x {STEP_S} s on {GPU} (${MODAL_USD_PER_HOUR[GPU]}/h) + exchange")
-    print(f"{'N':>5} {'topology':>12} {'prefixes':>8} {'req/rep':>8} {'req max':>8} {'PUT/s/pfx':>10} "
+    print(f"{'N':>5} {'topology':>12} {'lv':>2} {'prefixes':>8} {'req/rep':>8} {'req max':>8} {'PUT/s/pfx':>10} "
           f"{'GET/s/pfx':>10} {'bytes/bound':>11} {'round s':>8} {'req $':>8} {'req/GPU':>8}")
     for s in sim:
-        print(f"{s['n']:>5} {s['topology']:>12} {s['spread_prefixes']:>8} {s['reqs_per_replica_mean']:>8.0f} "
+        print(f"{s['n']:>5} {s['topology']:>12} {s['levels'] or '-':>2} {s['spread_prefixes']:>8} "
+              f"{s['reqs_per_replica_mean']:>8.0f} "
               f"{s['reqs_per_replica_max']:>8} {s['peak_put_per_prefix_s']:>10.0f} {s['peak_get_per_prefix_s']:>10.0f} "
               f"{s['bytes_per_replica_mean_vs_bound']:>11.3f} {s['round_s']:>8.2f} {s['request_usd']:>8.3f} "
               f"{s['request_share_of_gpu']:>8.3%}")
@@ -258,37 +379,53 @@ def main() -> None:
             <= st.get_rate for t in ("flat", "hierarchical")
         ),
         "flat_bytes_within_1.10_of_bound_at_1024": by[(1024, "flat")]["bytes_per_replica_mean_vs_bound"] <= 1.10,
-        "hier_requests_1024_over_8": by[(1024, "hierarchical")]["reqs_per_replica_mean"]
+        "hier_requests_1024_over_hier_8": by[(1024, "hierarchical")]["reqs_per_replica_mean"]
         / by[(8, "hierarchical")]["reqs_per_replica_mean"],
+        "hier_requests_1024_over_auto_8_flat": by[(1024, "hierarchical")]["reqs_per_replica_mean"]
+        / by[(8, "flat")]["reqs_per_replica_mean"],
         "request_spend_under_2pct_of_gpu_at_1024": {
             t: by[(1024, t)]["request_share_of_gpu"] < 0.02 for t in ("flat", "hierarchical")
         },
         "auto_hierarchical_from": AUTO_HIERARCHICAL_FROM,
     }
     print("targets:", json.dumps(targets))
+    print("\nCross-check: requests per replica of one round, the real code (threads, 1,024-element tensors,")
+    print("counting store on file://) vs the simulated schedule; 3 levels forced from N = 8 where marked")
+    print(f"{'N':>5} {'topology':>12} {'levels':>6} {'real':>8} {'sim':>8}")
+    checks = [cross_check(n, t, th) for n, t, th in
+              ((8, "flat", 128), (8, "hierarchical", 128), (16, "hierarchical", 128), (27, "hierarchical", 8),
+               (64, "hierarchical", 8))]
+    for c in checks:
+        print(f"{c['n']:>5} {c['topology']:>12} {c['levels'] or '-':>6} {c['real_reqs_per_replica']:>8.1f} "
+              f"{c['sim_reqs_per_replica']:>8.1f}")
     real = []
-    sizes = (2, 4, 8) if args.quick else (2, 4, 8, 16, 32)
+    sizes = (8, 16, 32) if args.processes else (2, 4, 8) if args.quick else (2, 4, 8, 16, 32)
     numel = (1 << 20) // 4  # 1 MB fp32
-    print("\nReal run: ObjectStoreAllReduce, N threads in one process, file://, 1 MB fp32, 1 timed round")
-    print(f"{'N':>5} {'topology':>12} {'wall s':>8} {'bytes/bound':>11} {'naive/bound':>11}")
+    how = "one spawned process per replica" if args.processes else "N threads in one process"
+    print(f"\nReal run: ObjectStoreAllReduce, {how}, file://, 1 MB fp32, warm-up + 1 timed round")
+    print(f"{'N':>5} {'topology':>12} {'wall s':>8} {'bytes/bound':>11} {'max/bound':>9} {'req/rep':>8} "
+          f"{'naive/bound':>11}")
     for n in sizes:
         for t in ("flat", "hierarchical", "auto"):
             if t == "auto" and n != 2:
                 continue
             with tempfile.TemporaryDirectory() as d:
-                row = real_round(Path(d).as_uri(), n, t, numel)
+                row = real_round(Path(d).as_uri(), n, t, numel, processes=args.processes)
             real.append(row)
             print(f"{n:>5} {t + (' (direct)' if t == 'auto' else ''):>12} {row['wall_s']:>8.3f} "
-                  f"{row['bytes_per_replica_vs_bound']:>11.3f} {row['naive_bytes_vs_bound']:>11.3f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+                  f"{row['bytes_per_replica_vs_bound']:>11.3f} {row['bytes_per_replica_max_vs_bound']:>9.3f} "
+                  f"{row['reqs_per_replica_mean']:>8.1f} {row['naive_bytes_vs_bound']:>11.3f}")
+    out = RESULTS.with_name("scale_processes.json") if args.processes else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},
         "preset": st.to_json(), "params": args.params, "assumptions": {
             "gpu": GPU, "gpu_usd_per_hour": MODAL_USD_PER_HOUR[GPU], "inner_steps": INNER_STEPS, "step_s": STEP_S,
             "connections": CONNECTIONS, "header_bytes": HEADER_BYTES},
-        "simulation": sim, "targets": targets, "real": real,
+        "simulation": sim, "targets": targets, "cross_check": checks,
+        "real_mode": "processes" if args.processes else "threads", "real": real,
     }, indent=2))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ _OWN_MARKER_RE = re.compile(rf"{_ROUND}/ready/rank-\d+")
 _QUORUM_RE = re.compile(rf"{_ROUND}/quorum\.json")
 _DATA_ROUND = rf"(?:{re.escape(ROUNDS_PREFIX)}|{re.escape(SPREAD_PREFIX)}[0-9a-f]{{2}})/(\d{{8,}})"
 _SHARD_OBJECT_RE = re.compile(
-    rf"{_DATA_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}})|partial/\d{{4,}}/(\d{{4,}}))"
+    rf"{_DATA_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}})|partial/(?:l\d/)?\d{{4,}}/(\d{{4,}}))"
 )
 _ROUND_RE = re.compile(_ROUND)
 _KEEP_LAYOUTS = 8  # rounds whose layout a CountingStore remembers (the newest)

@@ -1,30 +1,36 @@
-"""The hierarchical round: groups of ~sqrt(N) replicas sum first, then the group sums are summed.
+"""The hierarchical round: a tree of groups sums each shard, level by level, instead of everyone reading everyone.
 
 Used by :class:`~diloco_serverless.exchange.allreduce.ObjectStoreAllReduce` when its protocol is
 ``hierarchical`` (:mod:`.topology`); publishing, the quorum and the ready markers are the flat
-protocol's. With ``g = ceil(sqrt(N))`` and S = g shards, after the quorum Q (docs/exchange.md,
-"Hierarchical exchange"):
+protocol's. With L levels (:func:`~.topology.levels`: 2, or 3 from 128 replicas), branching
+``c = ceil(N^(1/L))`` and S = c shards, after the quorum Q (docs/exchange.md, "Hierarchical exchange"):
 
-1. **Group partials.** Group k holds ranks ``[k*g, (k+1)*g)``; its participants, in rank order,
-   are its members. Shard j's partial of group k, ``partial/<k>/<j>``, is the fp32 sum of the
-   members' decoded contributions to shard j in rank order, written create-only by member
-   ``members[j mod |members|]``.
-2. **Reduce.** ``reduced/<j>`` is the sum of the group partials of shard j in group order, divided by
-   |Q|, encoded with the round's codec and written create-only by ``Q[(|Q| - 1 - j) mod |Q|]``.
-3. **Gather.** Everyone GETs the S reduced shards.
+1. **Level-1 partials.** Group k holds ranks ``[k*c, (k+1)*c)``; its participants, in rank order,
+   are its members. ``partial/<k>/<j>`` is the fp32 sum of the members' decoded contributions to
+   shard j in rank order, written create-only by member ``members[j mod |members|]``.
+2. **Level-2 partials** (three levels only). Group k of level 2 holds level-1 groups
+   ``[k*c, (k+1)*c)`` (ranks ``[k*c^2, (k+1)*c^2)``); ``partial/l2/<k>/<j>`` is the sum of their
+   partials of shard j in group order, written create-only by member ``members[(|members| - 1 - j)
+   mod |members|]`` of the level-2 group.
+3. **Reduce.** ``reduced/<j>`` is the sum of the top level's partials of shard j in group order,
+   divided by |Q|, encoded with the round's codec and written create-only by ``Q[(|Q| - 1 - j) mod |Q|]``.
+4. **Gather.** Everyone GETs the S reduced shards.
 
-Per replica that is S + 1 PUTs up front, S GETs for a partial, |groups| GETs for a reduced shard
-(only S replicas do it), S GETs at the end: O(sqrt N) requests against flat's O(N). Every object is
-create-only and deterministic, so whoever writes it first, the bytes are the same; a replica that
-waits past ``takeover_timeout_s`` for a partial or reduced shard computes it itself (from the stored
-contributions, or partials), exactly as the flat protocol takes over a dead owner's shard. Everyone
-decodes the same ``reduced`` objects, so results are bit-identical on every replica.
+Per replica that is S + 1 PUTs up front, ~S requests for its level-1 partial, S at the end (the
+few owners of deeper objects read c objects each): O(L * N^(1/L)) requests against flat's O(N).
+Waiting for objects polls one of them (a GET, rotated by rank over the missing ones) and fetches the
+rest once it appears, so a replica that waits costs one request per poll, not one per missing object.
+
+Every object is create-only and deterministic, so whoever writes it first, the bytes are the same; a
+replica that waits past ``takeover_timeout_s`` for a partial or reduced shard computes it itself
+(recursively, from the stored partials or contributions below it), exactly as the flat protocol
+takes over a dead owner's shard. Everyone decodes the same ``reduced`` objects, so results are
+bit-identical on every replica.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -33,13 +39,17 @@ from diloco_serverless.errors import ExchangeError
 from diloco_serverless.exchange._io import FIRST_POLL_S, CountingStore
 from diloco_serverless.exchange.codec import ShardHeader, decode_shard, decode_values, encode_values, pack
 from diloco_serverless.exchange.quorum import Quorum, ReadyMarker
-from diloco_serverless.exchange.topology import group_count, group_size
+from diloco_serverless.exchange.topology import branching, levels
 from diloco_serverless.run.layout import contrib_key, partial_key, reduced_key, spread_count
 
 
 @dataclass
 class HierarchicalRound:
-    """One replica's view of one hierarchical round after its quorum (see the module docstring)."""
+    """One replica's view of one hierarchical round after its quorum (see the module docstring).
+
+    Tree nodes are ``(level, group)``: level 0 are the ranks, level ``L`` the single root (the
+    reduced shards); ``(l, k)`` holds the ranks ``q`` with ``q // c**l == k``.
+    """
 
     io: CountingStore
     run_id: str
@@ -57,145 +67,148 @@ class HierarchicalRound:
         self.ref: ReadyMarker = self.quorum.markers[self.quorum.participants[0]]
         n = self.ref.world_size
         self.spread = spread_count(n)
-        size = group_size(n)
-        self.members = {k: [q for q in self.quorum.participants if q // size == k] for k in range(group_count(n))}
-        self.groups = [k for k, m in self.members.items() if m]  # groups with at least one participant
+        self.depth, self.c = levels(n), branching(n)
+        self.members: dict[tuple[int, int], list[int]] = {}
+        for q in self.quorum.participants:  # in rank order
+            for level in range(1, self.depth + 1):
+                self.members.setdefault((level, q // self.c**level), []).append(q)
+        self.have: dict[tuple[int, int, int], torch.Tensor] = {}  # (level, group, shard) -> values
         self.reduced_shards: list[int] = []
         self.takeovers: list[str] = []
         self.wait_s = 0.0
 
-    # ------------------------------------------------------------------ ownership
+    # ------------------------------------------------------------------ tree
 
-    def partial_owner(self, k: int, j: int) -> int:
-        m = self.members[k]
-        return m[j % len(m)]
+    def children(self, level: int, k: int) -> list[int]:
+        """The groups of ``level - 1`` (ranks for level 1) inside group k of ``level`` that hold a participant."""
+        if level == 1:
+            return self.members[(1, k)]
+        return sorted({q // self.c ** (level - 1) for q in self.members[(level, k)]})
 
-    def reduced_owner(self, j: int) -> int:
-        q = self.quorum.participants
-        return q[(len(q) - 1 - j) % len(q)]
+    def owner(self, level: int, k: int, j: int) -> int:
+        """Who writes group k's object of shard j at ``level`` (the reduced shard at the top)."""
+        m = self.members[(level, k)]
+        return m[j % len(m)] if level == 1 else m[(len(m) - 1 - j) % len(m)]
 
-    # ------------------------------------------------------------------ headers
+    def key(self, level: int, k: int, j: int) -> str:
+        if level == self.depth:
+            return reduced_key(self.r, j, self.spread)
+        return partial_key(self.r, k, j, self.spread, level=level)
 
-    def _header(self, kind: str, j: int, who: int | None, codec: str) -> ShardHeader:
+    def _header(self, level: int, k: int, j: int) -> ShardHeader:
         a, b = self.bounds[j]
+        kind, who, codec = ("reduced", None, self.ref.codec) if level == self.depth else ("partial", k, "fp32")
         return ShardHeader(self.run_id, self.r, j, kind, codec, b - a, who, self.ref.dtype, self.ref.shape)  # type: ignore[arg-type]
-
-    def _decode(self, data: bytes, key: str, expect: ShardHeader) -> torch.Tensor:
-        return decode_shard(data, key=key, expect=expect, run_key=self.run_key)
-
-    def _store(self, key: str, values: torch.Tensor, header: ShardHeader) -> torch.Tensor:
-        """Write ``values`` create-only at ``key``; return what the stored object decodes to (ours or
-        the identical one another replica wrote first)."""
-        enc = encode_values(values, header.codec)
-        if self.io.put_if_absent(key, pack(enc, asdict(header), self.run_key)):
-            return decode_values(enc, header.codec, header.numel)
-        return self._decode(self.io.get(key), key, header)
 
     # ------------------------------------------------------------------ objects
 
-    def compute_partial(self, k: int, j: int) -> torch.Tensor:
-        """Group k's fp32 sum of shard j in rank order, from the stored contributions; stored create-only."""
-        members = self.members[k]
+    def compute(self, level: int, k: int, j: int) -> torch.Tensor:
+        """Group k's object of shard j at ``level`` (>= 1): the fp32 sum of its children's in order
+        (divided by |Q| and encoded with the round's codec at the top), stored create-only; returns
+        what the stored object decodes to (ours, or the identical one another replica wrote first)."""
+        a, b = self.bounds[j]
+        acc = torch.zeros(b - a, dtype=torch.float32)
+        if level == 1:
+            for values in self._contributions(k, j):
+                acc += values
+        else:
+            kids = self.children(level, k)
+            self._await(
+                {i: (level - 1, i, j) for i in kids},
+                what=f"level-{level - 1} partials of shard {j} (group: owner rank)",
+            )
+            for i in kids:
+                acc += self.have[(level - 1, i, j)]
+        if level == self.depth:
+            acc /= len(self.quorum.participants)
+        header = self._header(level, k, j)
+        key = self.key(level, k, j)
+        enc = encode_values(acc, header.codec)
+        if self.io.put_if_absent(key, pack(enc, asdict(header), self.run_key)):
+            out = decode_values(enc, header.codec, header.numel)
+        else:
+            out = decode_shard(self.io.get(key), key=key, expect=header, run_key=self.run_key)
+        self.have[(level, k, j)] = out
+        return out
+
+    def _contributions(self, k: int, j: int) -> list[torch.Tensor]:
+        """Shard j of group k's members' contributions, decoded, in rank order (ours from memory)."""
+        members = self.members[(1, k)]
         mine = self.own is not None and self.rank in members
         keys = {q: contrib_key(self.r, j, q, self.spread) for q in members if not (mine and q == self.rank)}
         blobs = self.io.get_many(list(keys.values()), missing_ok=True)
         a, b = self.bounds[j]
-        acc = torch.zeros(b - a, dtype=torch.float32)
+        out = []
         for q in members:
             if mine and q == self.rank:
                 assert self.own is not None
-                acc += self.own[j]
+                out.append(self.own[j])
                 continue
             if keys[q] not in blobs:
                 raise ExchangeError(
                     f"round {self.r}: contribution {keys[q]!r} of participant {q} is missing although its ready "
                     "marker exists; the round was pruned or the store lost it — restart the round"
                 )
-            acc += self._decode(blobs.pop(keys[q]), keys[q], self._header("contrib", j, q, self.ref.codec))
-        return self._store(partial_key(self.r, k, j, self.spread), acc, self._header("partial", j, k, "fp32"))
-
-    def compute_reduced(self, j: int, partials: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Shard j's mean from the group partials (those missing from ``partials`` are read or,
-        past the takeover timeout, computed); stored create-only."""
-        got = dict(partials)
-        self._await(
-            {k: partial_key(self.r, k, j, self.spread) for k in self.groups if k not in got},
-            lambda k, key: self._decode_partial(k, j, key),
-            lambda k: self.compute_partial(k, j),
-            got,
-            what=f"partials of shard {j} (group: owner rank)",
-            owners={k: self.partial_owner(k, j) for k in self.groups},
-        )
-        acc = torch.zeros(self.bounds[j][1] - self.bounds[j][0], dtype=torch.float32)
-        for k in self.groups:
-            acc += got[k]
-        acc /= len(self.quorum.participants)
-        return self._store(reduced_key(self.r, j, self.spread), acc, self._header("reduced", j, None, self.ref.codec))
-
-    def _decode_partial(self, k: int, j: int, key: str) -> Callable[[bytes], torch.Tensor]:
-        return lambda data: self._decode(data, key, self._header("partial", j, k, "fp32"))
+            head = ShardHeader(self.run_id, self.r, j, "contrib", self.ref.codec, b - a, q, self.ref.dtype,
+                               self.ref.shape)
+            out.append(decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self.run_key))
+        return out
 
     # ------------------------------------------------------------------ the round
 
     def run(self) -> torch.Tensor:
         """Do this replica's share of the round and return the reduced tensor (flat fp32)."""
-        out = torch.empty(self.ref.numel, dtype=torch.float32)
         shards = range(len(self.bounds))
-        partials: dict[int, dict[int, torch.Tensor]] = {j: {} for j in shards}
-        for k in self.groups:
-            for j in shards:
-                if self.partial_owner(k, j) == self.rank:
-                    partials[j][k] = self.compute_partial(k, j)
-        done: dict[int, torch.Tensor] = {}
+        if self.rank in self.quorum.participants:
+            for level in range(1, self.depth + 1):
+                k = self.rank // self.c**level
+                for j in shards:
+                    if self.owner(level, k, j) == self.rank:
+                        self.compute(level, k, j)
+                        if level == self.depth:
+                            self.reduced_shards.append(j)
+        self._await({j: (self.depth, 0, j) for j in shards}, what="reduced shards (shard: owner rank)")
+        out = torch.empty(self.ref.numel, dtype=torch.float32)
         for j in shards:
-            if self.reduced_owner(j) == self.rank:
-                done[j] = self.compute_reduced(j, partials[j])
-                self.reduced_shards.append(j)
-        self._await(
-            {j: reduced_key(self.r, j, self.spread) for j in shards if j not in done},
-            lambda j, key: lambda data: self._decode(data, key, self._header("reduced", j, None, self.ref.codec)),
-            lambda j: self.compute_reduced(j, partials[j]),
-            done,
-            what="reduced shards (shard: owner rank)",
-            owners={j: self.reduced_owner(j) for j in shards},
-        )
-        for j, values in done.items():
-            out[self.bounds[j][0] : self.bounds[j][1]].copy_(values)
+            out[self.bounds[j][0] : self.bounds[j][1]].copy_(self.have[(self.depth, 0, j)])
         return out
 
-    def _await(
-        self,
-        keys: dict[int, str],
-        decoder: Callable[[int, str], Callable[[bytes], torch.Tensor]],
-        take_over: Callable[[int], torch.Tensor],
-        into: dict[int, torch.Tensor],
-        *,
-        what: str,
-        owners: dict[int, int],
-    ) -> None:
-        """Poll ``keys`` (GETs of the missing ones, backing off) into ``into``; past the takeover
-        timeout compute what is still missing with ``take_over``; TimeoutError at the round deadline."""
+    def _await(self, nodes: dict[int, tuple[int, int, int]], *, what: str) -> None:
+        """Make every ``(level, group, shard)`` of ``nodes`` available in ``self.have``: read the stored
+        objects (polling ONE missing object per poll, rotated by rank, and fetching all missing ones as
+        soon as it appears; backing off); past the takeover timeout compute what is still missing;
+        TimeoutError at the round deadline, naming the owners waited for."""
         started, sleep_s = time.monotonic(), min(FIRST_POLL_S, self.poll_interval_s)
-        missing = dict(keys)
+        missing = {i: node for i, node in nodes.items() if node not in self.have}
+        probe = True  # the objects are usually being written right now: ask for one, not all
         while missing:
-            blobs = self.io.get_many(list(missing.values()), missing_ok=True)
-            for i, key in list(missing.items()):
+            order = sorted(missing)
+            batch = [order[self.rank % len(order)]] if probe else order
+            keys = {i: self.key(*missing[i]) for i in batch}
+            blobs = self.io.get_many(list(keys.values()), missing_ok=True)
+            found = False
+            for i, key in keys.items():
                 if key in blobs:
-                    into[i] = decoder(i, key)(blobs.pop(key))
-                    del missing[i]
+                    node, found = missing.pop(i), True
+                    self.have[node] = decode_shard(
+                        blobs.pop(key), key=key, expect=self._header(*node), run_key=self.run_key
+                    )
             if not missing:
                 return
+            if found and probe:
+                probe = False  # the probed object appeared: fetch all the others at once
+                continue
+            probe = True
             now = time.monotonic()
             if now - started >= self.takeover_timeout_s:
-                for i, key in list(missing.items()):
-                    into[i] = take_over(i)
-                    self.takeovers.append(key)
-                    del missing[i]
+                for _, node in sorted(missing.items()):
+                    if node not in self.have:  # a takeover below may have computed it already
+                        self.compute(*node)
+                        self.takeovers.append(self.key(*node))
                 return
             if now >= self.deadline:
-                raise TimeoutError(
-                    f"round {self.r}: {what} never appeared: {({i: owners[i] for i in missing})}; check those replicas"
-                )
+                owners = {i: self.owner(*node) for i, node in missing.items()}
+                raise TimeoutError(f"round {self.r}: {what} never appeared: {owners}; check those replicas")
             pause = min(sleep_s, max(0.0, self.deadline - now))
             time.sleep(pause)
             self.wait_s += pause

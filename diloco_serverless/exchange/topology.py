@@ -8,14 +8,15 @@ before anything is reduced (docs/exchange.md, "Hierarchical exchange").
   reads the others' and sums locally in rank order. 1 PUT + (N-1) GETs of P bytes: at N = 2 exactly
   what a naive exchange moves, and a dead peer's stored contribution is all a survivor needs.
 - ``flat``: S = N shards, reduce-scatter + all-gather (O(N) requests per replica, ~the byte bound).
-- ``hierarchical``: groups of ``g = ceil(sqrt(N))`` consecutive ranks; S = g shards. Member i of a
-  group sums shard i over its group (a ``partial``), one replica per shard sums the group partials,
-  everyone fetches the g reduced shards: O(sqrt N) requests per replica.
+- ``hierarchical``: a tree of L levels (:func:`levels`: 2 below :data:`THREE_LEVELS_FROM` replicas,
+  3 from there) with branching ``c = ceil(N^(1/L))`` (:func:`branching`); S = c shards. Groups of c
+  consecutive ranks sum each shard (a ``partial``); with 3 levels, groups of c groups sum those
+  (a level-2 partial); one replica per shard sums the top level's partials; everyone fetches the c
+  reduced shards: O(L * N^(1/L)) requests per replica.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 Topology = Literal["flat", "hierarchical", "auto"]
@@ -26,6 +27,9 @@ PROTOCOLS: tuple[str, ...] = ("direct", "flat", "hierarchical")
 
 #: ``auto`` switches from flat to hierarchical at this many replicas (benchmarks/scale.py, docs/exchange.md).
 AUTO_HIERARCHICAL_FROM = 64
+#: A hierarchical round uses three levels (groups of groups) from this many replicas, two below
+#: (benchmarks/scale.py: fewer requests per replica from here at a similar round time).
+THREE_LEVELS_FROM = 128
 
 
 def resolve(topology: str, world_size: int) -> Protocol:
@@ -44,26 +48,43 @@ def resolve(topology: str, world_size: int) -> Protocol:
     return "hierarchical" if world_size >= AUTO_HIERARCHICAL_FROM else "flat"
 
 
+def levels(world_size: int) -> int:
+    """Levels of a hierarchical round of ``world_size`` replicas: 2 (groups, then their sums), or 3
+    (groups, groups of groups, then their sums) from :data:`THREE_LEVELS_FROM` replicas."""
+    return 3 if world_size >= THREE_LEVELS_FROM else 2
+
+
+def branching(world_size: int) -> int:
+    """Children per node of the hierarchical tree: the smallest ``c`` with ``c ** levels(N) >= N``
+    (``ceil(sqrt(N))`` with two levels, ``ceil(cbrt(N))`` with three; at least 1)."""
+    depth, c = levels(world_size), 1
+    while c**depth < world_size:
+        c += 1
+    return c
+
+
 def group_size(world_size: int) -> int:
-    """Ranks per hierarchical group: ``ceil(sqrt(N))`` (the last group may be smaller)."""
-    return max(1, math.isqrt(world_size - 1) + 1) if world_size > 1 else 1
+    """Ranks per level-1 hierarchical group: :func:`branching` (the last group may be smaller)."""
+    return branching(world_size)
 
 
-def group_of(rank: int, world_size: int) -> int:
-    """The hierarchical group of ``rank``: consecutive blocks of :func:`group_size` ranks."""
-    return rank // group_size(world_size)
+def group_of(rank: int, world_size: int, level: int = 1) -> int:
+    """The hierarchical group of ``rank`` at ``level`` (1: consecutive blocks of :func:`branching` ranks;
+    2: blocks of ``branching ** 2`` ranks, i.e. groups of level-1 groups)."""
+    return rank // int(branching(world_size) ** level)
 
 
-def group_count(world_size: int) -> int:
-    return -(-world_size // group_size(world_size))
+def group_count(world_size: int, level: int = 1) -> int:
+    """Groups at ``level`` of a hierarchical round (the groups that hold at least one rank)."""
+    return -(-world_size // int(branching(world_size) ** level))
 
 
 def shard_count(world_size: int, protocol: str) -> int:
-    """Shards the tensor is cut into: 1 (direct), N (flat), ``group_size(N)`` (hierarchical)."""
+    """Shards the tensor is cut into: 1 (direct), N (flat), :func:`branching` (hierarchical)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"exchange protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     if protocol == "direct":
         return 1
     if protocol == "flat":
         return world_size
-    return group_size(world_size)
+    return branching(world_size)

@@ -151,11 +151,17 @@ def reduced_key(round: int, shard: int, spread: int = 1) -> str:
     return f"{_data_prefix(round, spread, slot=shard)}/reduced/{fmt_shard(shard)}"
 
 
-def partial_key(round: int, group: int, shard: int, spread: int = 1) -> str:
+def partial_key(round: int, group: int, shard: int, spread: int = 1, level: int = 1) -> str:
     """``rounds/<round>/partial/<group:04d>/<shard:04d>`` (create-only): group ``group``'s sum of
-    ``shard`` in a hierarchical round; spread like :func:`contrib_key`."""
+    ``shard`` in a hierarchical round; spread like :func:`contrib_key`. A deeper level of a
+    three-level round (groups of groups, ``level`` 2) is ``.../partial/l<level>/<group:04d>/<shard:04d>``."""
     _check_index("group", group, 4)
-    return f"{_data_prefix(round, spread, shard, 'g', group)}/partial/{fmt_shard(group)}/{fmt_shard(shard)}"
+    if not isinstance(level, int) or isinstance(level, bool) or not 1 <= level <= 9:
+        raise ValueError(f"partial level must be an int in [1, 9], got {level!r}")
+    if level == 1:
+        return f"{_data_prefix(round, spread, shard, 'g', group)}/partial/{fmt_shard(group)}/{fmt_shard(shard)}"
+    where = _data_prefix(round, spread, shard, f"g{level}", group)
+    return f"{where}/partial/l{level}/{fmt_shard(group)}/{fmt_shard(shard)}"
 
 
 def code_key(filename: str) -> str:

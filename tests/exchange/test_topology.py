@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from diloco_serverless.config import ExchangeConfig
+from diloco_serverless.exchange import topology
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.errors import CorruptObjectError, MismatchError
-from diloco_serverless.exchange.topology import group_size, resolve, shard_count
+from diloco_serverless.exchange.topology import branching, group_count, group_size, levels, resolve, shard_count
 from diloco_serverless.run.layout import (
     contrib_key,
     partial_key,
@@ -39,8 +40,8 @@ def test_protocol_is_picked_by_n() -> None:
         "hierarchical"
     ]
     assert resolve("flat", 2) == "flat" and resolve("hierarchical", 2) == "hierarchical"
-    assert [group_size(n) for n in (2, 4, 8, 9, 10, 1024)] == [2, 2, 3, 3, 4, 32]
-    assert shard_count(1024, "hierarchical") == 32 and shard_count(2, "direct") == 1 and shard_count(9, "flat") == 9
+    assert [group_size(n) for n in (2, 4, 8, 9, 10, 127, 1024)] == [2, 2, 3, 3, 4, 12, 11]
+    assert shard_count(1024, "hierarchical") == 11 and shard_count(2, "direct") == 1 and shard_count(9, "flat") == 9
     with pytest.raises(ValueError, match="topology must be one of flat, hierarchical, auto, got 'ring'"):
         resolve("ring", 4)
     with pytest.raises(ValueError, match="(?s)topology.*'flat', 'hierarchical' or 'auto'"):
@@ -62,6 +63,10 @@ def test_spread_keys_land_in_the_top_components_and_balance() -> None:
     assert partial_key(3, 5, 7, 256).split("/")[0] in prefixes and reduced_key(3, 7, 256).startswith("x")
     with pytest.raises(ValueError, match="group"):
         partial_key(0, 10_000, 0)
+    assert partial_key(3, 5, 7, level=2) == "rounds/00000003/partial/l2/0005/0007"
+    assert partial_key(3, 5, 7, 256, level=2).split("/")[0] in prefixes
+    with pytest.raises(ValueError, match=r"partial level must be an int in \[1, 9\], got 0"):
+        partial_key(0, 0, 0, level=0)
 
 
 @pytest.mark.parametrize("n", [4, 9])
@@ -162,3 +167,59 @@ def test_spread_run_keeps_data_out_of_rounds_and_prunes_every_prefix(tmp_path: P
     assert not [k for k in keys if "/contrib/" in k and k.startswith("rounds/")]
     assert {k.split("/")[0] for k in data} == set(spread_prefixes(n))  # all 8 prefixes used
     assert {k.split("/")[1] for k in data} == {"00000001"}  # round 0 pruned from every prefix
+
+
+def test_three_levels_from_128_cut_requests_to_a_cube_root() -> None:
+    assert [levels(n) for n in (8, 127, 128, 1024)] == [2, 2, 3, 3]
+    assert [branching(n) for n in (127, 128, 1000, 1024)] == [12, 6, 10, 11]
+    assert (group_count(1024), group_count(1024, 2)) == (94, 9)  # 11 ranks, then 121 ranks per group
+    assert shard_count(1024, "hierarchical") == 11
+
+
+@pytest.fixture
+def three_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three-level hierarchical rounds from N = 8 (c = 2 at 8, 3 at 10), so threads can run them."""
+    monkeypatch.setattr(topology, "THREE_LEVELS_FROM", 8)
+
+
+@pytest.mark.parametrize("n", [8, 10])
+def test_three_levels_equal_flat_bit_for_bit(tmp_path: Path, three_levels: None, n: int) -> None:
+    xs = {r: _ints(1001, r) for r in range(n)}
+    flat, e1, _ = run_replicas((tmp_path / "flat").as_uri(), xs, n, topology="flat")
+    # a generous takeover timeout: "nobody took over" must not depend on the machine's load
+    hier, e2, stats = run_replicas(
+        (tmp_path / "hier").as_uri(), xs, n, topology="hierarchical", takeover_timeout_s=10.0
+    )
+    assert not e1 and not e2
+    assert_identical(hier)
+    assert torch.equal(flat[0][0], hier[0][0]) and torch.equal(hier[0][0], _mean(xs))
+    assert sorted(j for s in stats.values() for j in s.reduced_shards) == list(range(branching(n)))
+    assert not any(s.takeover_keys for s in stats.values())
+    keys = ObjectStore((tmp_path / "hier").as_uri()).child("t").list("rounds/00000000/partial")
+    assert {k.split("/")[4] for k in keys if "/l2/" in k} == {"0000", "0001"}  # two level-2 groups wrote
+
+
+def test_three_levels_take_over_a_dead_member_at_every_level(tmp_path: Path, three_levels: None) -> None:
+    """N = 8, c = 2: rank 7 owns group 3's partial of shard 1, level-2 group 1's of shard 0 and reduced 0."""
+    xs = {r: _ints(900, r) for r in range(8)}
+
+    def make(url: str, r: int, n: int, **kw: Any) -> ObjectStoreAllReduce:
+        return (DiesAfterReady if r == 7 else ObjectStoreAllReduce)(url, r, n, **kw)
+
+    outs, errors, stats = run_replicas(tmp_path.as_uri(), xs, 8, make=make, topology="hierarchical")
+    assert set(errors) == {7} and isinstance(errors[7], SystemExit)
+    assert_identical({r: o for r, o in outs.items() if r != 7})
+    assert torch.equal(outs[0][0], _mean(xs))  # its stored contribution still counts
+    taken = {k.split("/", 2)[2] for s in stats.values() for k in s.takeover_keys}
+    assert {"reduced/0000", "partial/l2/0001/0000", "partial/0003/0001"} <= taken
+
+
+def test_three_levels_refuse_a_corrupt_level_two_partial(tmp_path: Path, three_levels: None) -> None:
+    url = tmp_path.as_uri()
+    planted = partial_key(0, 0, 0, level=2)
+    ObjectStore(url).child("t").put(planted, b"\x00" * 64)
+    xs = {r: _ints(90, r) for r in range(8)}
+    _, errors, _ = run_replicas(url, xs, 8, topology="hierarchical", timeout_s=5.0)
+    assert set(errors) == set(range(8))
+    for e in errors.values():
+        assert isinstance(e, CorruptObjectError) and planted in str(e)
