@@ -471,7 +471,8 @@ ParallelStrategy = Literal["ddp", "fsdp"]
 class ParallelConfig(_Section):
     """Devices per replica: a replica is a node of G devices (one local process each), DiLoCo between
     replicas. Inside a replica the inner steps run data-parallel over the G processes; between
-    replicas local rank g exchanges slice g (1/G) of every pseudo-gradient (docs/executors.md)."""
+    replicas local rank g exchanges slice g (1/G) of every pseudo-gradient (docs/executors.md); with
+    strategy "fsdp" the model is sharded over the G processes and slice g is local rank g's shards."""
 
     devices: int = Field(
         1, ge=1, le=64,

@@ -29,6 +29,8 @@ A multi-device replica (``parallel.devices = G > 1``) is G such trainers, one pe
 batch's micro-batches and the gradients are summed over the G processes (data parallel, the same
 global batch as G = 1); the exchange and the outer step are split into G slices
 (:mod:`~diloco_serverless.trainer.sliced_manager`, :mod:`~diloco_serverless.trainer.sliced_outer`);
+with ``parallel.strategy = "fsdp"`` the model is sharded instead (:mod:`~diloco_serverless.trainer.fsdp`:
+FSDP2, each process's exchange slice and outer state are its shards, checkpoints and ``final/`` gathered);
 local rank 0 writes the heartbeats, metrics, checkpoints and ``final/`` for the replica, and the
 decisions read from the store while others write it (the newest checkpoint, whether the run is
 finished) are local rank 0's.

@@ -7,7 +7,8 @@ the bytes). Either the G reduced slices are then all-gathered inside the replica
 process applies the same outer step to the same averaged pseudo-gradient, or (``gather_result=False``,
 what the trainer uses) each process keeps its slice of the mean, steps its slice of the global
 parameters (:mod:`diloco_serverless.trainer.sliced_outer`) and the updated slices are all-gathered.
-Either way the global parameters stay identical on every process of every replica.
+Either way the global parameters stay identical on every process of every replica. With FSDP
+(``presliced=True``) each process hands over only its shards, which are its slice as they are.
 
 The replica decides as one: it abstains when any of its slices cannot contribute (one non-finite
 slice, or the loop's abstain reason), a round fails on all its processes when it fails on one, and a
