@@ -471,26 +471,27 @@ ParallelStrategy = Literal["ddp", "fsdp"]
 class ParallelConfig(_Section):
     """Devices per replica: a replica is a node of G devices (one local process each), DiLoCo between
     replicas. Inside a replica the inner steps run data-parallel over the G processes; between
-    replicas local rank g exchanges slice g (1/G) of every pseudo-gradient (docs/executors.md)."""
+    replicas local rank g exchanges slice g (1/G) of every pseudo-gradient (docs/executors.md); with
+    strategy "fsdp" the model is sharded over the G processes and slice g is local rank g's shards."""
 
     devices: int = Field(
         1, ge=1, le=64,
         description="G: local processes (devices) per replica; the replica's batch is split over them.",
     )
     strategy: ParallelStrategy = Field(
-        "ddp", description="Inside a replica: 'ddp' (gradient all-reduce over the G processes). 'fsdp' is not "
-        "implemented yet.",
+        "ddp", description="Inside a replica: 'ddp' (each device holds the whole model, gradients all-reduced over "
+        "the G processes) or 'fsdp' (FSDP2: each device holds 1/G of the parameters, gradients and AdamW state; "
+        "its exchange slice and outer momentum are its shards).",
     )
 
-    @field_validator("strategy")
-    @classmethod
-    def _fsdp_not_yet(cls, v: str) -> str:
-        if v == "fsdp":
+    @model_validator(mode="after")
+    def _fsdp_needs_devices(self) -> ParallelConfig:
+        if self.strategy == "fsdp" and self.devices < 2:
             raise ValueError(
-                "'fsdp' (FSDP2 sharding inside a replica) is not implemented yet; use 'ddp' (the model is "
-                "replicated on each device, the exchange and its bytes are still split over the devices)"
+                f"strategy 'fsdp' shards the model over the replica's devices, but devices={self.devices}; "
+                "set parallel.devices to 2 or more, or use strategy 'ddp'"
             )
-        return v
+        return self
 
 
 #: Experiment trackers ``tracking.backends`` may name (diloco_serverless.tracking; each an optional extra).

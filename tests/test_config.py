@@ -307,3 +307,10 @@ def test_tracking_and_hub_errors(override: str, message: str) -> None:
 def test_hub_repo_id_accepts_org_slash_name() -> None:
     for repo in ("my-org/smollm2-diloco", "user/Model_v1.2", "a/b"):
         assert RunConfig.load(None, [f"hub.repo_id={repo}"]).hub.repo_id == repo
+
+
+def test_fsdp_strategy_needs_two_devices() -> None:
+    cfg = RunConfig.load(None, ["parallel.devices=2", "parallel.strategy=fsdp"])
+    assert cfg.parallel.strategy == "fsdp" and cfg.parallel.devices == 2
+    with pytest.raises(ValueError, match=r"strategy 'fsdp' shards the model.*devices=1.*parallel.devices to 2"):
+        RunConfig.load(None, ["parallel.strategy=fsdp"])

@@ -286,9 +286,10 @@ def _takes_over(held: Any, rank: int, stale_lock_s: float) -> bool:
 
 def write_final(
     store: ObjectStore, model: Any, tokenizer: Any, *, rank: int, attempt: int = 0, stale_lock_s: float = 600.0,
-    poll_s: float = 1.0,
+    poll_s: float = 1.0, state_dict: dict[str, Any] | None = None,
 ) -> bool:
     """Write the final model (``save_pretrained``, safetensors) + tokenizer under ``final/``, once per run.
+    ``state_dict``: the whole model's tensors when ``model`` holds only shards of them (FSDP).
 
     The writer is whoever creates ``final/LOCK.json`` first (create-only); it uploads the files, then
     ``final/DONE.json``. Every other replica waits for DONE, so the run never reports success with
@@ -313,7 +314,7 @@ def write_final(
         time.sleep(poll_s)
     else:
         return False
-    files = upload_pretrained(model, tokenizer, store, "final")
+    files = upload_pretrained(model, tokenizer, store, "final", state_dict=state_dict)
     store.put_if_absent(FINAL_DONE, json.dumps({**lock, "files": files, "done": time.time()}).encode())
     return True
 

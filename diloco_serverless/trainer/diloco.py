@@ -216,18 +216,24 @@ class DiLoCoReplica:
         if meta.get("fragments") != len(self.fragments):
             raise CheckpointMismatch(f"{source} has {meta.get('fragments')} fragments, this run uses "
                                      f"{len(self.fragments)}; keep exchange.fragments as in the run")
-        mine = {  # the keys state_tensors() gives the global parameters (without reading optimizer state)
-            f"user/StreamingDiLoCoFragment_{frag._fragment_id}/original_parameters/{name}": t
-            for frag in self.diloco._fragments for name, t in frag.original_parameters.items()
-        }
-        for key, tensor in mine.items():
+        for key, shape in self.global_shapes().items():
             theirs = tensors.get(key)
             name = key.rsplit("/", 1)[-1].replace("__", ".")
             if theirs is None:
                 raise CheckpointMismatch(f"{source} lacks parameter {name!r}; the model differs from the run's")
-            if tuple(theirs.shape) != tuple(tensor.shape):
+            if tuple(theirs.shape) != shape:
                 raise CheckpointMismatch(f"parameter {name!r}: {source} has shape {tuple(theirs.shape)}, the model "
-                                         f"has {tuple(tensor.shape)}; use the run's model config")
+                                         f"has {shape}; use the run's model config")
+
+    def _global_keys(self) -> dict[str, int]:
+        """The key :meth:`state_tensors` gives each global parameter, mapped to its fragment's index."""
+        return {f"user/StreamingDiLoCoFragment_{frag._fragment_id}/original_parameters/{name}": i
+                for i, frag in enumerate(self.diloco._fragments) for name in frag.original_parameters}
+
+    def global_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape a checkpoint must give each global parameter, by :meth:`state_tensors` key."""
+        return {key: tuple(self.diloco._fragments[i].original_parameters[key.rsplit("/", 1)[-1]].shape)
+                for key, i in self._global_keys().items()}
 
 
 def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:

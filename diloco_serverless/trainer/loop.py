@@ -29,6 +29,8 @@ A multi-device replica (``parallel.devices = G > 1``) is G such trainers, one pe
 batch's micro-batches and the gradients are summed over the G processes (data parallel, the same
 global batch as G = 1); the exchange and the outer step are split into G slices
 (:mod:`~diloco_serverless.trainer.sliced_manager`, :mod:`~diloco_serverless.trainer.sliced_outer`);
+with ``parallel.strategy = "fsdp"`` the model is sharded instead (:mod:`~diloco_serverless.trainer.fsdp`:
+FSDP2, each process's exchange slice and outer state are its shards, checkpoints and ``final/`` gathered);
 local rank 0 writes the heartbeats, metrics, checkpoints and ``final/`` for the replica, and the
 decisions read from the store while others write it (the newest checkpoint, whether the run is
 finished) are local rank 0's.
@@ -85,6 +87,13 @@ from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.checkpoint import final_exists, write_final
 from diloco_serverless.trainer.deadline import AttemptDeadline
 from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
+from diloco_serverless.trainer.fsdp import (
+    FSDPReplica,
+    full_state_dict,
+    gather_optimizer_state,
+    shard_model,
+    shard_optimizer_state,
+)
 from diloco_serverless.trainer.local_group import LocalGroup
 from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
 from diloco_serverless.trainer.model import autocast, build_model, compile_model
@@ -158,7 +167,7 @@ def _set_global_grads(fragment: Any) -> None:
         tensor.grad = fragment._grads.pop(name).to(device=tensor.device, dtype=torch.float32)
 
 
-def keep_global_state_fp32(rep: DiLoCoReplica) -> None:
+def keep_global_state_fp32(rep: DiLoCoReplica, *, every_fragment: bool = False) -> None:
     """With low-precision (bf16) parameters, keep the global parameters, the outer step and the
     pseudo-gradients in fp32.
 
@@ -169,12 +178,14 @@ def keep_global_state_fp32(rep: DiLoCoReplica) -> None:
     optimizer (same hyper-parameters) over them: the pseudo-gradient is ``fp32 global - bf16 local``
     in fp32 (so the exchange sends and averages fp32), the outer step updates the fp32 globals, and
     the model's parameters become the new globals rounded to bf16. Replay and checkpoints go through
-    the same fragment code, so healing stays bit-identical. fp32 fragments are left as they are.
+    the same fragment code, so healing stays bit-identical. fp32 fragments are left as they are,
+    unless ``every_fragment`` (FSDP: the outer step then runs on plain tensors, the global shards,
+    rather than on the sharded parameters).
     """
     for i, frag in enumerate(rep.diloco._fragments):
-        if all(t.dtype == torch.float32 for t in frag.original_parameters.values()):
+        if not every_fragment and all(t.dtype == torch.float32 for t in frag.original_parameters.values()):
             continue
-        globals_ = {name: t.detach().to(torch.float32) for name, t in frag.original_parameters.items()}
+        globals_ = {name: t.detach().to(torch.float32, copy=True) for name, t in frag.original_parameters.items()}
         outer = torch.optim.SGD(list(globals_.values()), **frag._outer_optimizer.defaults)
         frag.original_parameters = globals_
         # one flat fp32 buffer per fragment, as build_diloco sized it for the parameters' dtype
@@ -215,6 +226,11 @@ class ReplicaTrainer:
         ckpt.sync_initial_parameters(run_store, model, run_key)  # identical start on every replica, bit for bit
         self.model = model.to(self.device)  # type: ignore[arg-type]  # transformers wraps .to(); its stub takes the model
         ref = make_reference_model(self.model) if cfg.loss.needs_reference else None
+        #: FSDP2 over the local processes (parallel.strategy = "fsdp"): each holds 1/G of the parameters
+        self.fsdp = local is not None and cfg.parallel.strategy == "fsdp"
+        if self.fsdp:
+            assert local is not None
+            shard_model(self.model, self.device, local)
         compile_model(self.model, cfg.model)  # after the reference copy: a compiled module does not deep-copy
         if ref is not None:
             compile_model(ref, cfg.model)
@@ -234,8 +250,11 @@ class ReplicaTrainer:
             outer_momentum=cfg.outer.momentum,
             nesterov=cfg.outer.nesterov,
         )
-        keep_global_state_fp32(self.rep)
-        if local is not None:  # each local process keeps the outer momentum of its slice only
+        keep_global_state_fp32(self.rep, every_fragment=self.fsdp)
+        if self.fsdp:  # the exchange slice, the global parameters and the outer momentum are the shards
+            assert local is not None
+            self.rep = FSDPReplica(self.rep, local)
+        elif local is not None:  # each local process keeps the outer momentum of its slice only
             shard_outer_optimizers(self.rep, local)
         self.taid = self._build_taid()
         self.total_inner_steps = cfg.rounds * cfg.inner.sync_every  # what inner.schedule spans
@@ -326,7 +345,8 @@ class ReplicaTrainer:
             opts.setdefault("poll_interval_s", ex.poll_interval_s)
         store_url, run_id = self.store.url.rsplit("/", 1)
         if self.local is not None:  # the sharded outer step needs only this process's slice of the mean
-            opts.update(local=self.local, gather_result=False)
+            opts.update(local=self.local, gather_result=False,
+                        presliced=self.cfg.parallel.strategy == "fsdp")  # FSDP: the shards are the slice
             manager_cls: type[ObjectStoreManager] = SlicedManager
         else:
             manager_cls = ObjectStoreManager
@@ -412,7 +432,7 @@ class ReplicaTrainer:
     def _replica_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What this replica alone knows and a restart would otherwise lose: the inner optimizer's
         moments and step counts, its hyper-parameters, the TAID scheduler, the RNG, codec residuals."""
-        opt = self.inner.state_dict()
+        opt = gather_optimizer_state(self.local, self.inner) if self.fsdp else self.inner.state_dict()  # type: ignore[arg-type]
         tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
         scalars: dict[str, dict[str, Any]] = {}
         for idx, entry in opt["state"].items():
@@ -453,6 +473,8 @@ class ReplicaTrainer:
         impl = ("fused", "foreach", "capturable")
         groups = [{**saved, **{k: now.get(k) for k in impl}} for saved, now in
                   zip(doc["param_groups"], self.inner.param_groups)]
+        if self.fsdp:  # the checkpoint holds the whole moments: keep this process's rows
+            state = shard_optimizer_state(self.local, self.inner, state)  # type: ignore[arg-type]
         self.inner.load_state_dict({"state": state, "param_groups": groups})
         torch.set_rng_state(tensors["rng/torch"])
         if "rng/cuda" in tensors and torch.cuda.is_available() and self.device.type == "cuda":
@@ -575,17 +597,28 @@ class ReplicaTrainer:
         parts = _micro_batches(batch, size)
         if len(parts) > 1:  # each micro-batch's loss is its share of the whole batch's mean
             kwargs.update(token_count=scored_tokens(batch), pair_count=float(batch["input_ids"].shape[0]))
+        every = parts
         if self.local is not None:  # this local process's consecutive share of the micro-batches
             lo, hi = shard_bounds(len(parts), self.local.size)[self.local.rank]
             parts = parts[lo:hi]
+        passes: list[dict[str, Any] | None] = list(parts)
+        if self.fsdp:  # FSDP's collectives: as many forward/backward passes on every local process
+            passes += [None] * (-(-len(every) // self.local.size) - len(parts))  # type: ignore[union-attr]
         comps: LossComponents | None = None
-        for part in parts:
+        for i, part in enumerate(passes):
+            if self.fsdp:  # reduce-scatter the accumulated gradients once, after the last pass
+                self.model.set_requires_gradient_sync(i == len(passes) - 1)
             with autocast(self.cfg.model, self.device):
-                out = compose_loss(self.model, part, validate=validate, **kwargs)
+                out = compose_loss(self.model, part if part is not None else every[-1],
+                                   validate=validate and part is not None, **kwargs)
+            if part is None:  # a pass with no share of the batch: zero gradient
+                (out.total * 0.0).backward()  # type: ignore[no-untyped-call]  # untyped in torch
+                continue
             out.total.backward()  # type: ignore[no-untyped-call]  # untyped in torch
             comps = out if comps is None else _add(comps, out)
-        if self.local is not None:  # DDP: the whole batch's gradient and loss on every local process
+        if self.local is not None and not self.fsdp:  # DDP: the whole batch's gradient on every local process
             self.local.sum_gradients([p for p in self.model.parameters() if p.requires_grad])
+        if self.local is not None:  # the whole batch's loss on every local process
             mine = (torch.stack([getattr(comps, n).detach().float() for n in _COMPONENTS]) if comps is not None
                     else torch.zeros(len(_COMPONENTS), device=self.device))
             comps = LossComponents(*self.local.sum_(mine).unbind())
@@ -630,7 +663,9 @@ class ReplicaTrainer:
         outer_done = committed and self.manager.current_step() % self.fragments == 0
         outer_round = self.manager.current_step() // self.fragments
         eval_loss = None
-        if outer_done and self.rank == 0 and self.leader and self._due(self.cfg.eval_every, outer_round):
+        # FSDP: the forward is a collective, every local process of replica 0 evaluates
+        if outer_done and self.rank == 0 and (self.leader or self.fsdp) and self._due(self.cfg.eval_every,
+                                                                                          outer_round):
             self._heartbeat(HEARTBEAT_EVALUATING)
             eval_loss = self.evaluate()
         metrics = self._round_metrics(round_, seg, record, committed, wall, blocked, eval_loss)
@@ -697,10 +732,8 @@ class ReplicaTrainer:
     def evaluate(self) -> float:
         """Mean ``lm_ce`` of the global model on the held-out split (the live parameters are restored)."""
         live = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        globals_ = self.rep.global_named_parameters()
         params = dict(self.model.named_parameters())
-        for n, t in globals_.items():
-            params[n].copy_(t)
+        self.rep.reset_to_global()  # the global parameters (with FSDP: this process's shards of them)
         was_training = self.model.training
         self.model.eval()
         with autocast(self.cfg.model, self.device):
@@ -726,10 +759,11 @@ class ReplicaTrainer:
         start = time.monotonic()
         round_ = self.manager.current_step() - 1
         tensors, meta = self.rep.state_tensors()  # every local process: the outer momentum is gathered
+        own_state = self._replica_state() if self.fsdp else None  # FSDP: the inner AdamW state is gathered
         if not self.leader:  # the global state is then whole on every local process: local rank 0 saves it
             self._saved_round = round_  # as the leader does: _continue_later's collective calls must match
             return
-        own, doc = self._replica_state()
+        own, doc = own_state or self._replica_state()
         ckpt.save_replica_state(self.store, round_, self.rank, own, doc, self.run_key)
         ckpt.save_checkpoint(
             self.store,
@@ -801,8 +835,9 @@ class ReplicaTrainer:
         self.rep.reset_to_global()
         eval_loss = self.last_eval
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
+        whole = full_state_dict(self.model, self.local) if self.fsdp else None  # type: ignore[arg-type]
         written = self.leader and write_final(
-            self.store, self.model, self.tokenizer, rank=self.rank, attempt=self.attempt
+            self.store, self.model, self.tokenizer, rank=self.rank, attempt=self.attempt, state_dict=whole
         )
         self._heartbeat(HEARTBEAT_DONE)
         self.manager.shutdown()

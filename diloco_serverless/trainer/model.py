@@ -262,14 +262,17 @@ def for_inference(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
 
 
 def upload_pretrained(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: Any, prefix: str = "final"
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: Any, prefix: str = "final",
+    *, state_dict: dict[str, torch.Tensor] | None = None,
 ) -> list[str]:
     """``save_pretrained`` (safetensors) model + tokenizer to a temp dir, then put every file under
-    ``<store>/<prefix>/``. ``store`` is an ObjectStore; returns the keys written."""
+    ``<store>/<prefix>/``. ``store`` is an ObjectStore; returns the keys written. ``state_dict``: the
+    tensors to save instead of the model's own (the gathered whole model of a sharded one)."""
     written: list[str] = []
     with tempfile.TemporaryDirectory(prefix="diloco-final-") as tmp:
         with for_inference(model):
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, safe_serialization=True,
+                                  state_dict=dict(state_dict) if state_dict is not None else None)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for path in sorted(Path(tmp).rglob("*")):

@@ -7,7 +7,8 @@ the bytes). Either the G reduced slices are then all-gathered inside the replica
 process applies the same outer step to the same averaged pseudo-gradient, or (``gather_result=False``,
 what the trainer uses) each process keeps its slice of the mean, steps its slice of the global
 parameters (:mod:`diloco_serverless.trainer.sliced_outer`) and the updated slices are all-gathered.
-Either way the global parameters stay identical on every process of every replica.
+Either way the global parameters stay identical on every process of every replica. With FSDP
+(``presliced=True``) each process hands over only its shards, which are its slice as they are.
 
 The replica decides as one: it abstains when any of its slices cannot contribute (one non-finite
 slice, or the loop's abstain reason), a round fails on all its processes when it fails on one, and a
@@ -36,7 +37,10 @@ class SlicedManager(ObjectStoreManager):
     ``gather_result``: with ``False`` the returned mean holds only this process's slice (zeros
     elsewhere) and no all-gather is made, for an outer optimizer that steps only that slice
     (:class:`~diloco_serverless.trainer.sliced_outer.SlicedOuterSGD`, which all-gathers the updated
-    parameters instead). ``ExchangeRecord`` bytes are this process's (one device's) bytes.
+    parameters instead). ``presliced=True`` (FSDP, ``parallel.strategy = "fsdp"``): the tensor handed
+    over is already this process's slice (its shards of the fragment's parameters; the slices of the
+    local ranks may differ in size) and the mean returned is that slice, never gathered.
+    ``ExchangeRecord`` bytes are this process's (one device's) bytes.
     """
 
     def __init__(
@@ -47,6 +51,7 @@ class SlicedManager(ObjectStoreManager):
         *,
         local: LocalGroup,
         gather_result: bool = True,
+        presliced: bool = False,
         run_id: str,
         min_replicas: int | None = None,
         fragments: int = 1,
@@ -66,10 +71,14 @@ class SlicedManager(ObjectStoreManager):
         )
         super().__init__(url, rank, world_size, run_id=run_id, min_replicas=min_replicas, fragments=fragments,
                          max_retries=max_retries, allreduce=exchange)
-        self.local, self.gather_result = local, gather_result
+        self.local, self.gather_result, self.presliced = local, gather_result, presliced
+
+    def _part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This process's slice of a fragment's flat tensor (the whole tensor when presliced)."""
+        return tensor.reshape(-1) if self.presliced else self.local.slice_of(tensor)
 
     def _exchange(self, tensor: torch.Tensor, round_: int, residual_key: str, record: ExchangeRecord) -> torch.Tensor:
-        part = self.local.slice_of(tensor)
+        part = self._part(tensor)
         own_reason = record.abstained
         if own_reason is None and not bool(torch.isfinite(part).all()):
             own_reason = f"slice {self.local.rank} of the pseudo-gradient has non-finite values (NaN/Inf)"
@@ -95,7 +104,7 @@ class SlicedManager(ObjectStoreManager):
         return self._whole(reduced, tensor)
 
     def _read_round(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
-        part_like = self.local.slice_of(like)
+        part_like = self._part(like)
         failure: Exception | None = None
         got: torch.Tensor | None = None
         try:
@@ -115,7 +124,10 @@ class SlicedManager(ObjectStoreManager):
         return self._whole(got, like)
 
     def _whole(self, part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """``like``-shaped: every slice gathered, or (``gather_result=False``) only ours, zeros elsewhere."""
+        """``like``-shaped: every slice gathered, or (``gather_result=False``) only ours, zeros elsewhere;
+        presliced: ours, which is all of ``like``."""
+        if self.presliced:
+            return part.reshape(like.shape).to(like.dtype)
         if self.gather_result:
             return self.local.gather_slices(part, like.numel()).view(like.shape).to(like.dtype)
         out = torch.zeros(like.numel(), dtype=like.dtype)
