@@ -40,6 +40,20 @@ def test_kills_during_exchange_and_checkpoint_the_run_succeeds(killed_run: Chaos
     assert result.digest is not None, f"replicas differ after kills: {result.digests}"
 
 
+#: The same kills on the protocol ``exchange.topology = "auto"`` picks at N=2 ("direct": whole tensors, no
+#: reduced shards, so no ``owning_shard`` moment).
+DIRECT_KILLS = ChaosPlan(seed=6, topology="auto",
+                         kills=((1, "before_upload@0"), (0, "after_upload@1"), (1, "checkpoint@1")))
+
+
+def test_kills_on_the_direct_protocol_resume_exactly(s3_server: str, tmp_path: Path, chaos_reference) -> None:
+    result = run_chaos(DIRECT_KILLS, tmp_path, s3_server)
+    assert [(k.rank, k.when) for k in result.kills if k.fired] == list(DIRECT_KILLS.kills), result.describe()
+    assert result.ok, result.describe()
+    reference = chaos_reference(DIRECT_KILLS)
+    assert result.digest is not None and result.digest == reference.digest, result.describe()
+
+
 def test_kills_during_exchange_and_checkpoint_exact_resume(killed_run: ChaosResult, chaos_reference) -> None:
     """EXACT RESUME: the killed-and-restarted run ends bit-identical to the run without kills."""
     reference = chaos_reference(EXCHANGE_AND_CHECKPOINT_KILLS)

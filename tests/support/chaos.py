@@ -133,6 +133,9 @@ class ChaosPlan:
     straggler_timeout_s: float = 20.0
     takeover_timeout_s: float = 5.0
     extra: tuple[tuple[str, object], ...] = ()  # more --set overrides
+    #: ``exchange.topology``: "flat" (default here) keeps the sharded protocol whose phases the kill moments
+    #: name (``owning_shard``, the reduced shards) even at N=2, where the config's "auto" picks "direct"
+    topology: str = "flat"
 
     def __post_init__(self) -> None:
         for k in self.fault_kinds:
@@ -148,13 +151,14 @@ class ChaosPlan:
 
     def shape(self) -> tuple[Any, ...]:
         """What decides the final parameters (runs with equal shapes and no faults are bit-identical)."""
-        return (self.replicas, self.rounds, self.sync_every, self.min_replicas, self.nan_ranks, self.extra)
+        return (self.replicas, self.rounds, self.sync_every, self.min_replicas, self.nan_ranks, self.extra,
+                self.topology)
 
     def overrides(self, data_path: str) -> list[str]:
         extra: dict[str, object] = {
             "eval_every": 0, "exchange.straggler_timeout_s": self.straggler_timeout_s,
             "exchange.takeover_timeout_s": self.takeover_timeout_s, "exchange.round_timeout_s": 180,
-            **dict(self.extra),
+            "exchange.topology": self.topology, **dict(self.extra),
         }
         if self.min_replicas is not None:
             extra["min_replicas"] = self.min_replicas
