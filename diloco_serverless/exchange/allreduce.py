@@ -80,6 +80,7 @@ from diloco_serverless.run.layout import (
     round_prefix,
     spread_count,
 )
+from diloco_serverless.store import TransferPolicy
 from diloco_serverless.store.objectstore import ObjectStore
 
 __all__ = [
@@ -168,6 +169,7 @@ class ObjectStoreAllReduce:
         poll_interval_s: float = POLL_INTERVAL_S,
         run_key: bytes | None = None,
         topology: str = "flat",
+        transfer: TransferPolicy | None = None,
     ) -> None:
         _validate(
             rank, world_size, min_replicas, timeout_s, straggler_timeout_s, takeover_timeout_s, keep_rounds,
@@ -191,7 +193,7 @@ class ObjectStoreAllReduce:
         self._pool: ThreadPoolExecutor | None = None
         self._io: CountingStore | None = None
         if world_size > 1:  # world_size == 1 touches no store, not even to open it
-            self._io = CountingStore(_open_store(url, storage_options, timeout_s).child(run_id))
+            self._io = CountingStore(_open_store(url, storage_options, timeout_s, transfer).child(run_id))
 
     # ------------------------------------------------------------------ public API
 
@@ -604,8 +606,11 @@ def _batches(shards: list[int], bounds: list[tuple[int, int]], max_elems: int) -
     return out
 
 
-def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, timeout_s: float) -> ObjectStore:
-    """Open the store; no single store operation (retries included) may outlive the round's timeout."""
+def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, timeout_s: float,
+                transfer: TransferPolicy | None = None) -> ObjectStore:
+    """Open the store; no single store operation (retries included) may outlive the round's timeout.
+    ``transfer`` (the run's ``store_part_size_mb`` / ``store_part_concurrency``) replaces the store's
+    default part size and concurrency for large objects."""
 
     options = dict(storage_options or {})
     if isinstance(url, str) and url.startswith("s3://"):
@@ -615,7 +620,7 @@ def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, 
     store = url if isinstance(url, ObjectStore) else ObjectStore(url, options or None)
     if store.retry.timeout_s > timeout_s:
         store = store.with_retry(replace(store.retry, timeout_s=timeout_s))
-    return store
+    return store if transfer is None else store.with_transfer(transfer)
 
 
 def _validate(

@@ -340,7 +340,8 @@ class ReplicaTrainer:
 
     def _build_manager(self, storage_options: dict[str, Any] | None, extra: dict[str, Any]) -> ObjectStoreManager:
         ex = self.cfg.exchange
-        opts: dict[str, Any] = {"takeover_timeout_s": ex.takeover_timeout_s, "topology": ex.topology, **extra}
+        opts: dict[str, Any] = {"takeover_timeout_s": ex.takeover_timeout_s, "topology": ex.topology,
+                                "transfer": transfer_policy(self.cfg), **extra}
         if ex.poll_interval_s is not None:
             opts.setdefault("poll_interval_s", ex.poll_interval_s)
         store_url, run_id = self.store.url.rsplit("/", 1)

@@ -78,3 +78,17 @@ def test_only_the_newest_rounds_are_remembered(io: CountingStore) -> None:
     for r in range(20):
         io.expect_round(r, RoundLayout(10, 2, "fp32"))
     assert io.max_bytes(reduced_key(0, 0)) is None and io.max_bytes(reduced_key(19, 0)) is not None
+
+
+def test_the_exchange_store_takes_the_runs_transfer_policy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``store_part_size_mb`` / ``store_part_concurrency`` reach the exchange's own store (the trainer passes
+    ``transfer=transfer_policy(cfg)``); without one the store keeps its default policy."""
+    from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+    from diloco_serverless.store import TransferPolicy
+
+    policy = TransferPolicy.from_mb(5, 3)
+    tuned = ObjectStoreAllReduce(str(tmp_path), 0, 2, run_id="r", transfer=policy)
+    plain = ObjectStoreAllReduce(str(tmp_path), 1, 2, run_id="r")
+    assert tuned._io is not None and plain._io is not None
+    assert tuned._io.store.transfer == policy
+    assert plain._io.store.transfer == ObjectStore(str(tmp_path)).transfer != policy
