@@ -23,7 +23,8 @@ def chaos_reference(s3_server: str, tmp_path_factory: pytest.TempPathFactory) ->
         shape = plan.shape()
         if shape not in cache:
             clean = ChaosPlan(seed=0, replicas=plan.replicas, rounds=plan.rounds, sync_every=plan.sync_every,
-                              min_replicas=plan.min_replicas, nan_ranks=plan.nan_ranks, extra=plan.extra)
+                              min_replicas=plan.min_replicas, nan_ranks=plan.nan_ranks, extra=plan.extra,
+                              topology=plan.topology)
             result = run_chaos(clean, Path(tmp_path_factory.mktemp("chaos-reference")), s3_server)
             assert result.ok and result.digest is not None, f"the fault-free reference failed: {result.describe()}"
             cache[shape] = result
