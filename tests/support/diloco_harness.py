@@ -11,7 +11,9 @@ local parameters are reset to them.
 from __future__ import annotations
 
 import copy
+import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,3 +196,17 @@ def create_tiny_run(store_url: str, data_path: str, replicas: int, run_id: str =
     cfg = RunConfig.load(None, [f"run_id={run_id}", *tiny_run_overrides(data_path, replicas, **kw)])
     store, _ = create_run(store_url, cfg)
     return store.url
+
+
+def wait_replicas(procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout_s: float = 420) -> None:
+    """Wait for every replica process to exit 0 within ``timeout_s`` in all; on a timeout kill them all,
+    and in either failure raise AssertionError with the tail of the replica's log."""
+    deadline = time.monotonic() + timeout_s
+    for p, log in zip(procs, logs):
+        try:
+            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"replica did not finish\n{log.read_text(errors='replace')[-3000:]}") from None
+        assert code == 0, log.read_text(errors="replace")[-3000:]

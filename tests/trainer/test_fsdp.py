@@ -11,7 +11,6 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from diloco_serverless.trainer.fsdp import (
     shard_optimizer_state,
 )
 from diloco_serverless.trainer.local_group import LocalGroup
-from support.diloco_harness import create_tiny_run, write_jsonl
+from support.diloco_harness import create_tiny_run, wait_replicas, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +64,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         for r in range(REPLICAS):
             logs.append(tmp / f"{name}-rank-{r}.log")
             procs.append(_spawn(url, r, logs[-1], out[name]))
-    deadline = time.monotonic() + 420
-    for p, log in zip(procs, logs):
-        try:
-            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"replica did not finish\n{log.read_text(errors='replace')[-3000:]}") from None
-        assert code == 0, log.read_text(errors="replace")[-3000:]
+    wait_replicas(procs, logs)
     return out
 
 

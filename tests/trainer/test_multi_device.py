@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
-from support.diloco_harness import create_tiny_run, write_jsonl
+from support.diloco_harness import create_tiny_run, wait_replicas, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -36,16 +36,6 @@ def _spawn(run_url: str, rank: int, log: Path, dump: Path, attempt: int = 0) -> 
                                 stdout=fh, stderr=subprocess.STDOUT)
 
 
-def _wait_all(procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout_s: float = 420) -> None:
-    deadline = time.monotonic() + timeout_s
-    for p, log in zip(procs, logs):
-        try:
-            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"replica did not finish\n{log.read_text(errors='replace')[-3000:]}") from None
-        assert code == 0, log.read_text(errors="replace")[-3000:]
 
 
 def _children(pid: int) -> list[int]:
@@ -86,7 +76,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         for r in range(REPLICAS):
             logs.append(tmp / f"g{g}-rank-{r}.log")
             procs.append(_spawn(url, r, logs[-1], out[f"g{g}"]))
-    _wait_all(procs, logs)
+    wait_replicas(procs, logs)
     return out
 
 
@@ -161,7 +151,7 @@ def test_sigkilled_local_process_restarts_its_replica_as_a_unit(tmp_path: Path, 
     assert "local process 1 of this replica was killed by signal 9" in logs[1].read_text(errors="replace")
     assert not any(_alive(pid) for pid in locals_), "the parent stopped its other local process"
     procs[1] = _spawn(url, 1, logs[1], dump, attempt=1)
-    _wait_all(procs, logs)
+    wait_replicas(procs, logs)
     got = _dumps(dump)
     assert len(got) == 2 * REPLICAS
     ref = _dumps(runs["g2"])["rank-0.local-0.safetensors"]
