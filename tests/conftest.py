@@ -18,8 +18,6 @@ Nothing here reaches the internet; all credentials are dummies.
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from support.moto_s3 import free_port, moto_server
 
 # gcsfs reads this at import time; its experimental zonal/HNS path calls APIs the emulator lacks.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
@@ -51,53 +51,18 @@ def _private_run_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
             os.environ[k] = v
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
 # --------------------------------------------------------------------------- S3 (moto)
-def _make_moto_conditional_puts_atomic() -> None:
-    """moto checks ``If-None-Match: *`` and then stores the key without a lock, so two
-    concurrent conditional writes can both succeed; real S3 is atomic. Serialise PutObject and
-    the POSTs that complete multipart uploads so the server behaves like S3 (the header is
-    still evaluated by moto itself)."""
-    from moto.s3.responses import S3Response
-
-    if getattr(S3Response.put_object, "_diloco_locked", False):
-        return
-    lock = threading.RLock()
-
-    def locked(original: Any) -> Any:
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with lock:
-                return original(self, *args, **kwargs)
-
-        method._diloco_locked = True  # type: ignore[attr-defined]
-        return method
-
-    S3Response.put_object = locked(S3Response.put_object)  # type: ignore[method-assign]
-    S3Response._key_response_post = locked(S3Response._key_response_post)  # type: ignore[method-assign]
-
-
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 (session-wide). Yields its endpoint URL."""
     pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    _make_moto_conditional_puts_atomic()
-    port = _free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+    pytest.importorskip("moto.server")
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 def _s3_client(endpoint: str) -> Any:
@@ -194,7 +159,7 @@ def gcs_server() -> Iterator[str]:
     pytest.importorskip("gcsfs")
     gserver = pytest.importorskip("gcp_storage_emulator.server")
     _instrument_gcs_emulator()
-    port = _free_port()
+    port = free_port()
     server = gserver.create_server("127.0.0.1", port, in_memory=True)
     server.start()
     try:

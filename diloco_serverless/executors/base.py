@@ -190,6 +190,13 @@ class ServerlessExecutor(Protocol):
 
     kind: str
 
+    @property
+    def attempt_cap_s(self) -> float | None:
+        """The platform's cap on one attempt of a replica, in seconds (Modal's call timeout, the HF Job
+        timeout, the local executor's rehearsal cap); None when there is none. A replica stops on its
+        own before it and a fresh attempt continues the run."""
+        ...
+
     def launch_replicas(
         self,
         n_replicas: int,

@@ -273,6 +273,11 @@ class HFJobsExecutor:
         return resolved
 
     @property
+    def attempt_cap_s(self) -> float | None:
+        """The Job ``timeout`` in seconds (None when unset: the Hub's default applies)."""
+        return None if self._timeout_s is None else float(self._timeout_s)
+
+    @property
     def secret_names(self) -> list[str]:
         """Names of the secrets every Job gets (their values are never exposed)."""
         return sorted(self._secrets)

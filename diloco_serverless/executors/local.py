@@ -164,6 +164,11 @@ class LocalProcessExecutor:
         ex._run_url = run_url
         return ex
 
+    @property
+    def attempt_cap_s(self) -> float | None:
+        """The rehearsal cap ``attempt_timeout_s`` (None: attempts have no deadline)."""
+        return self.attempt_timeout_s
+
     # --- launch -----------------------------------------------------------------------------
     def launch_replicas(
         self,

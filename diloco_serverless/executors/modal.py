@@ -296,6 +296,11 @@ class ModalExecutor:
             options.setdefault("gpu", None)
         return cls(**options)
 
+    @property
+    def attempt_cap_s(self) -> float | None:
+        """Modal's function timeout ``timeout_s``: every call ends there (a chain of calls continues the run)."""
+        return float(self.timeout_s)
+
     # --- launch -----------------------------------------------------------------------------
     def _function(self, run_id: str) -> tuple[Any, Any]:
         modal = self._modal

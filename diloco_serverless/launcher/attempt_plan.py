@@ -31,17 +31,21 @@ class AttemptCap:
     setting: str
 
 
+#: The setting that sets the cap, by executor kind.
+_CAP_SETTING = {
+    "modal": "Modal's function timeout (-x timeout_s=S, <= 24 h)",
+    "hf-jobs": "the HF Job timeout (-x timeout=...)",
+    "local": "-x attempt_timeout_s",
+}
+
+
 def attempt_cap(executor: Any) -> AttemptCap | None:
-    """The per-attempt cap of ``executor`` (an executor object), or None when it has none."""
-    kind = getattr(executor, "kind", None)
-    if kind == "modal":
-        value, setting = getattr(executor, "timeout_s", None), "Modal's function timeout (-x timeout_s=S, <= 24 h)"
-    elif kind == "hf-jobs":
-        value, setting = getattr(executor, "_timeout_s", None), "the HF Job timeout (-x timeout=...)"
-    elif kind == "local":
-        value, setting = getattr(executor, "attempt_timeout_s", None), "-x attempt_timeout_s"
-    else:
+    """The per-attempt cap of ``executor`` (its ``attempt_cap_s``), or None when it has none (or is of a
+    kind without one, or an object without ``attempt_cap_s``, such as a test fake)."""
+    setting = _CAP_SETTING.get(getattr(executor, "kind", None) or "")
+    if setting is None:
         return None
+    value = getattr(executor, "attempt_cap_s", None)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         return None
     return AttemptCap(float(value), setting)

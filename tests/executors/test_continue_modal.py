@@ -29,6 +29,7 @@ from diloco_serverless.executors.base import CONTINUE_MARKER
 from diloco_serverless.executors.modal import ModalExecutor
 from diloco_serverless.executors.registry import executor_for_handle
 from support import pythonpath_env
+from support.fake_modal import call_result, fake_modal_module, install_fake_modal
 
 modal_exception = pytest.importorskip("modal.exception")
 
@@ -51,7 +52,6 @@ class Fake:
 
     def module(self) -> types.ModuleType:
         fake = self
-        mod = types.ModuleType("modal")
 
         class Call:
             def __init__(self, call_id: str) -> None:
@@ -60,12 +60,7 @@ class Fake:
                     types.SimpleNamespace(message=f"log of {call_id}\n")])
 
             def get(self, timeout: float | None = None) -> Any:
-                outcome = fake.outcomes[self.object_id]
-                if outcome == "running":
-                    raise modal_exception.TimeoutError()
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                return outcome
+                return call_result(fake.outcomes[self.object_id], modal_exception)
 
             def cancel(self, terminate_containers: bool = False) -> None:
                 assert terminate_containers
@@ -108,24 +103,21 @@ class Fake:
         def enable_output() -> Iterator[None]:
             yield
 
-        mod.App = App
-        mod.Function = types.SimpleNamespace(from_id=function_from_id)
-        mod.FunctionCall = types.SimpleNamespace(from_id=call_from_id)
-        mod.Image = types.SimpleNamespace(debian_slim=lambda **kw: types.SimpleNamespace(
-            pip_install=lambda *a: types.SimpleNamespace(add_local_python_source=lambda *m: "image")))
-        mod.Secret = types.SimpleNamespace(from_name=lambda name: ("secret", name))
-        mod.Retries = lambda **kw: ("retries", kw)
-        mod.enable_output = enable_output
-        mod.exception = modal_exception
-        return mod
+        return fake_modal_module(
+            modal_exception,
+            App=App,
+            Function=types.SimpleNamespace(from_id=function_from_id),
+            FunctionCall=types.SimpleNamespace(from_id=call_from_id),
+            Image=types.SimpleNamespace(debian_slim=lambda **kw: types.SimpleNamespace(
+                pip_install=lambda *a: types.SimpleNamespace(add_local_python_source=lambda *m: "image"))),
+            enable_output=enable_output,
+        )
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Fake:
     f = Fake()
-    monkeypatch.setitem(sys.modules, "modal", f.module())
-    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
-    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
+    install_fake_modal(monkeypatch, f.module())
     return f
 
 

@@ -31,6 +31,7 @@ from diloco_serverless.executors.base import (
 from diloco_serverless.executors.modal import ModalExecutor
 from diloco_serverless.executors.registry import executor_for_handle, get_executor
 from support import FAKE_REPLICA, REPO_ROOT, pythonpath_env
+from support.fake_modal import call_result, fake_modal_module, install_fake_modal
 
 modal_exception = pytest.importorskip("modal.exception")
 
@@ -44,12 +45,7 @@ class FakeCall:
 
     def get(self, timeout: float | None = None) -> Any:
         self.fake.get_timeouts.append(timeout)
-        outcome = self.fake.outcomes.get(self.object_id, "running")
-        if outcome == "running":
-            raise modal_exception.TimeoutError()
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+        return call_result(self.fake.outcomes.get(self.object_id, "running"), modal_exception)
 
     def cancel(self, terminate_containers: bool = False) -> None:
         self.fake.cancelled.append((self.object_id, terminate_containers))
@@ -120,7 +116,6 @@ class FakeModal:
 
     def module(self) -> types.ModuleType:
         fake = self
-        mod = types.ModuleType("modal")
 
         class App:
             def __init__(self, name: str | None = None) -> None:
@@ -167,20 +162,14 @@ class FakeModal:
             finally:
                 fake.output_enabled = False
 
-        mod.App, mod.Function, mod.FunctionCall, mod.Image = App, Function, FunctionCall, FakeImage
-        mod.enable_output = enable_output
-        mod.Secret = types.SimpleNamespace(from_name=lambda name: ("secret", name))
-        mod.Retries = lambda **kw: ("retries", kw)
-        mod.exception = modal_exception
-        return mod
+        return fake_modal_module(modal_exception, App=App, Function=Function, FunctionCall=FunctionCall,
+                                 Image=FakeImage, enable_output=enable_output)
 
 
 @pytest.fixture
 def fake_modal(monkeypatch: pytest.MonkeyPatch) -> FakeModal:
     fake = FakeModal()
-    monkeypatch.setitem(sys.modules, "modal", fake.module())
-    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
-    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
+    install_fake_modal(monkeypatch, fake.module())
     return fake
 
 

@@ -14,16 +14,31 @@ from diloco_serverless.executors.local import LocalProcessExecutor
 from diloco_serverless.launcher.api import launch
 from diloco_serverless.launcher.attempt_plan import AttemptCap, attempt_cap, cap_plan
 from support.fake_executor import FakeExecutor
+from support.fake_modal import fake_modal_module, install_fake_modal
 
 
 def test_the_cap_comes_from_each_executor_kind() -> None:
-    assert attempt_cap(SimpleNamespace(kind="modal", timeout_s=86400)) == AttemptCap(
-        86400.0, "Modal's function timeout (-x timeout_s=S, <= 24 h)")
-    assert attempt_cap(SimpleNamespace(kind="hf-jobs", _timeout_s=7200)).seconds == 7200.0  # type: ignore[union-attr]
-    assert attempt_cap(LocalProcessExecutor(attempt_timeout_s=30)).seconds == 30.0  # type: ignore[union-attr]
+    assert attempt_cap(LocalProcessExecutor(attempt_timeout_s=30)) == AttemptCap(30.0, "-x attempt_timeout_s")
     assert attempt_cap(LocalProcessExecutor()) is None  # no rehearsal cap: none
-    assert attempt_cap(SimpleNamespace(kind="hf-jobs", _timeout_s=None)) is None  # the Hub's default applies
-    assert attempt_cap(SimpleNamespace(kind="somecloud", timeout_s=5)) is None
+    assert attempt_cap(SimpleNamespace(kind="somecloud", attempt_cap_s=5)) is None  # no setting known for it
+    assert attempt_cap(SimpleNamespace(kind="modal")) is None  # an object without attempt_cap_s (a fake)
+
+
+def test_the_cap_of_the_cloud_executors_is_their_attempt_cap_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    modal_exception = pytest.importorskip("modal.exception")
+    pytest.importorskip("huggingface_hub")
+    from diloco_serverless.executors.hf_jobs import HFJobsExecutor
+    from diloco_serverless.executors.modal import ModalExecutor
+
+    install_fake_modal(monkeypatch, fake_modal_module(modal_exception))
+    modal = ModalExecutor(timeout_s=86400)
+    assert modal.attempt_cap_s == 86400.0
+    assert attempt_cap(modal) == AttemptCap(86400.0, "Modal's function timeout (-x timeout_s=S, <= 24 h)")
+    hf = HFJobsExecutor(timeout="2h", token="hf-fake", forward_credentials=False)
+    assert hf.attempt_cap_s == 7200.0
+    assert attempt_cap(hf) == AttemptCap(7200.0, "the HF Job timeout (-x timeout=...)")
+    unset = HFJobsExecutor(timeout=None, token="hf-fake", forward_credentials=False)
+    assert unset.attempt_cap_s is None and attempt_cap(unset) is None  # the Hub's default applies
 
 
 def test_a_run_that_fits_one_attempt_gets_no_plan() -> None:

@@ -42,7 +42,6 @@ fires once; :attr:`ChaosResult.kills` says which fired, when and in which attemp
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -54,7 +53,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +69,7 @@ from support.fault_proxy import (
     Target,
     user_agent_options,
 )
+from support.moto_s3 import moto_server  # re-exported: the benchmarks start their S3 server from here
 
 __all__ = [
     "ANY_RANK",
@@ -276,42 +276,6 @@ class _RecordingExecutor:
 
     def logs(self, handle: dict[str, Any], tail: int | None = None) -> str | None:
         return None
-
-
-@contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 for use outside pytest (the benchmark); yields its endpoint. Like
-    tests/conftest.py's ``s3_server``, create-only PUTs are serialised so moto's If-None-Match check is
-    atomic as on S3."""
-    import logging
-    import socket
-
-    from moto.s3.responses import S3Response
-    from moto.server import ThreadedMotoServer
-
-    if not getattr(S3Response.put_object, "_diloco_locked", False):
-        lock = threading.RLock()
-
-        def locked(original: Any) -> Any:
-            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-                with lock:
-                    return original(self, *args, **kwargs)
-
-            method._diloco_locked = True  # type: ignore[attr-defined]
-            return method
-
-        S3Response.put_object = locked(S3Response.put_object)  # type: ignore[method-assign]
-        S3Response._key_response_post = locked(S3Response._key_response_post)  # type: ignore[method-assign]
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
 
 
 def _s3_options(endpoint: str) -> dict[str, Any]:

@@ -47,19 +47,16 @@ turns into a 412 the writer never expected.
 
 from __future__ import annotations
 
-import http.client
 import random
 import re
-import socket
-import sys
-import threading
 import time
 import urllib.parse
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Unpack
+
+from support.http_proxy import HttpProxy, ProxyHandler, ProxyLimits
 
 __all__ = [
     "ALL_KINDS",
@@ -76,8 +73,6 @@ TRANSIENT_KINDS: tuple[str, ...] = ("slowdown", "internal", "drop_before", "dela
 #: Every fault kind, the lost response included.
 ALL_KINDS: tuple[str, ...] = (*TRANSIENT_KINDS, "drop_after")
 
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                         "trailer", "trailers", "transfer-encoding", "upgrade", "expect", "proxy-connection"})
 _RANK_RE = re.compile(r"chaos-rank-(\d+)")
 
 _ERROR_XML = (
@@ -150,133 +145,13 @@ class FaultRule:
 Hook = Callable[[RequestInfo, str], "str | None"]
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-
-    def __init__(self, proxy: FaultProxy) -> None:
-        self.proxy = proxy
-        self._slots = threading.BoundedSemaphore(proxy.max_connections)
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """Clients that vanish mid-request (SIGKILLed replicas) are expected: no traceback on stderr."""
-        exc = sys.exc_info()[1]
-        if not isinstance(exc, (ConnectionError, TimeoutError)):
-            super().handle_error(request, client_address)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):  # bounded: refuse, the client retries
-            self.shutdown_request(request)
-            with self.proxy._lock:
-                self.proxy.refused_connections += 1
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        pass
-
-    def setup(self) -> None:
-        self.timeout = self.server.proxy.idle_timeout_s
-        super().setup()
-
-    # every method goes through one function
-    def do_GET(self) -> None:
-        self._handle()
-
-    do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
-
-    def _read_body(self) -> bytes | None:
-        limit = self.server.proxy.max_body_bytes
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            parts, total = [], 0
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass  # trailers
-                    break
-                total += size
-                if total > limit:
-                    return None
-                parts.append(self.rfile.read(size))
-                self.rfile.readline()
-            return b"".join(parts)
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > limit:
-            return None
-        return self.rfile.read(length) if length else b""
-
-    def _drop(self) -> None:
-        self.close_connection = True
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def _send(self, status: int, headers: Iterable[tuple[str, str]], body: bytes, *, head: bool) -> None:
-        self.send_response_only(status)
-        for name, value in headers:
-            if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
-                self.send_header(name, value)
-        self.send_header("Content-Length", str(len(body)) if not head else dict(
-            (k.lower(), v) for k, v in headers).get("content-length", "0"))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if not head and body:
-            self.wfile.write(body)
-        self.wfile.flush()
-
-    def _handle(self) -> None:
-        proxy = self.server.proxy
-        body = self._read_body()
-        head = self.command == "HEAD"
-        if body is None:
-            self.close_connection = True
-            self._send(413, [("Content-Type", "text/plain")], b"request body too large for the chaos proxy", head=head)
-            return
-        req = proxy._describe(self.command, self.path, self.headers)
-        kind = proxy._decide(req)
-        if proxy._run_hooks(req, "before") == "drop":
-            self._drop()
-            return
-        if kind in _ERRORS:
-            status, code, message = _ERRORS[kind]
-            xml = _ERROR_XML.format(code=code, message=message, resource=urllib.parse.quote(req.key), n=req.n)
-            self._send(status, [("Content-Type", "application/xml")], xml.encode(), head=head)
-            return
-        if kind == "drop_before":
-            self._drop()
-            return
-        if kind == "delay":
-            time.sleep(proxy._delay())
-        try:
-            status, headers, answer = proxy._forward(self.command, self.path, self.headers, body)
-        except OSError as exc:  # upstream down: a gateway error, like a load balancer would answer
-            self._send(502, [("Content-Type", "text/plain")], f"chaos proxy: upstream failed: {exc}".encode(),
-                       head=head)
-            return
-        if kind == "drop_after" or proxy._run_hooks(req, "after") == "drop":
-            self._drop()
-            return
-        self._send(status, headers, answer, head=head)
-
-
-class FaultProxy:
+class FaultProxy(HttpProxy):
     """The proxy; see the module docstring. Start with ``with`` (or :meth:`start` / :meth:`stop`)."""
+
+    name = "proxy"
+    thread_name = "fault-proxy"
+    # backlog and default limits: HttpProxy's (128; 256 connections, 256 MiB bodies, 60 s idle,
+    # 120 s upstream, 1 h lifetime)
 
     def __init__(
         self,
@@ -290,17 +165,10 @@ class FaultProxy:
         hooks: Iterable[Hook] = (),
         delay_s: tuple[float, float] = (1.0, 2.0),
         max_faults: int | None = None,
-        max_connections: int = 256,
-        max_body_bytes: int = 256 << 20,
-        idle_timeout_s: float = 60.0,
-        upstream_timeout_s: float = 120.0,
-        lifetime_s: float = 3600.0,
         keep_events: int = 20000,
+        **limits: Unpack[ProxyLimits],
     ) -> None:
-        parsed = urllib.parse.urlsplit(upstream)
-        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
-            raise ValueError(f"upstream must be http://host:port, got {upstream!r}")
-        self.upstream = (parsed.hostname, parsed.port)
+        super().__init__(upstream, **limits)
         self.kinds = tuple(kinds)
         for k in self.kinds:
             if k not in ALL_KINDS:
@@ -313,59 +181,41 @@ class FaultProxy:
         self.hooks = list(hooks)
         self.delay_s = delay_s
         self.max_faults = max_faults
-        self.max_connections = max_connections
-        self.max_body_bytes = max_body_bytes
-        self.idle_timeout_s = idle_timeout_s
-        self.upstream_timeout_s = upstream_timeout_s
-        self.lifetime_s = lifetime_s
         self._rng = random.Random(seed)
-        self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()  # injected faults by kind
         self.requests = 0
-        self.refused_connections = 0
         self.events: deque[tuple[float, str, str, str, int | None]] = deque(maxlen=keep_events)
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-        self._timer: threading.Timer | None = None
-        self.stopped = threading.Event()  # set once the listening socket is closed
 
-    # ------------------------------------------------------------------ lifecycle
-    @property
-    def url(self) -> str:
-        if self._server is None:
-            raise RuntimeError("the proxy is not started")
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def start(self) -> FaultProxy:
-        if self._server is not None:
-            return self
-        self.stopped.clear()
-        self._server = _Server(self)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="fault-proxy", daemon=True)
-        self._thread.start()
-        self._timer = threading.Timer(self.lifetime_s, self.stop)
-        self._timer.daemon = True
-        self._timer.start()
-        return self
-
-    def stop(self) -> None:
-        server, self._server = self._server, None
-        if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.cancel()
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-        if server is not None:
-            self.stopped.set()
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def handle(self, handler: ProxyHandler) -> None:
+        body = handler.read_body()
+        if body is None:
+            handler.close_connection = True
+            handler.send(413, [("Content-Type", "text/plain")], b"request body too large for the chaos proxy")
+            return
+        req = self._describe(handler.command, handler.path, handler.headers)
+        kind = self._decide(req)
+        if self._run_hooks(req, "before") == "drop":
+            handler.drop()
+            return
+        if kind in _ERRORS:
+            status, code, message = _ERRORS[kind]
+            xml = _ERROR_XML.format(code=code, message=message, resource=urllib.parse.quote(req.key), n=req.n)
+            handler.send(status, [("Content-Type", "application/xml")], xml.encode())
+            return
+        if kind == "drop_before":
+            handler.drop()
+            return
+        if kind == "delay":
+            time.sleep(self._delay())
+        try:
+            status, headers, answer = self.forward(handler.command, handler.path, handler.headers, body)
+        except OSError as exc:  # upstream down: a gateway error, like a load balancer would answer
+            handler.send(502, [("Content-Type", "text/plain")], f"chaos proxy: upstream failed: {exc}".encode())
+            return
+        if kind == "drop_after" or self._run_hooks(req, "after") == "drop":
+            handler.drop()
+            return
+        handler.send(status, headers, answer)
 
     # ------------------------------------------------------------------ control
     def set_faults(self, *, rate: float | None = None, kinds: Iterable[str] | None = None) -> None:
@@ -444,19 +294,3 @@ class FaultProxy:
             with self._lock:
                 self.counts["hook"] += 1
         return action
-
-    def _forward(self, method: str, path: str, headers: Any, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-        conn = http.client.HTTPConnection(*self.upstream, timeout=self.upstream_timeout_s)
-        try:
-            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-            for name, value in headers.items():
-                if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
-                    conn.putheader(name, value)
-            if body or method in ("PUT", "POST"):
-                conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders(body if body else None)
-            resp = conn.getresponse()
-            answer = resp.read()
-            return resp.status, list(resp.getheaders()), answer
-        finally:
-            conn.close()

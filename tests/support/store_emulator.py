@@ -42,26 +42,21 @@ or ranged GETs. Bounded like :mod:`support.fault_proxy`: 127.0.0.1 only, ``max_c
 
 from __future__ import annotations
 
-import http.client
 import math
 import random
 import re
-import sys
 import threading
 import time
 import urllib.parse
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Unpack
 
+from support.http_proxy import HttpProxy, Pace, ProxyHandler, ProxyLimits
 from support.store_presets import StorePreset
 
 __all__ = ["Request", "StoreEmulator", "client_options", "client_of", "prefix_of"]
 
-CHUNK = 64 << 10
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                         "trailer", "trailers", "transfer-encoding", "upgrade", "expect", "proxy-connection"})
 _RANK_RE = re.compile(r"rank-(\d+)")
 _AKID_RE = re.compile(r"Credential=([^/,\s]+)/")
 _WRITES = frozenset({"PUT", "POST", "DELETE"})
@@ -154,131 +149,17 @@ def _sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 256
-
-    def __init__(self, emu: StoreEmulator) -> None:
-        self.emu = emu
-        self._slots = threading.BoundedSemaphore(emu.max_connections)
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
-            super().handle_error(request, client_address)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        pass
-
-    def setup(self) -> None:
-        self.timeout = self.server.emu.idle_timeout_s
-        super().setup()
-
-    def do_GET(self) -> None:
-        self._handle()
-
-    do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
-
-    def _read_body(self, pace: Any) -> bytes | None:
-        """The request body (plain or chunked), paced by ``pace(n)``; None if over the limit."""
-        limit = self.server.emu.max_body_bytes
-        parts: list[bytes] = []
-        total = 0
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    break
-                total += size
-                if total > limit:
-                    return None
-                parts.append(self.rfile.read(size))
-                pace(size)
-                self.rfile.readline()
-            return b"".join(parts)
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > limit:
-            return None
-        while total < length:
-            chunk = self.rfile.read(min(CHUNK, length - total))
-            if not chunk:
-                break
-            parts.append(chunk)
-            total += len(chunk)
-            pace(len(chunk))
-        return b"".join(parts)
-
-    def _send(self, status: int, headers: list[tuple[str, str]], body: bytes, pace: Any) -> None:
-        head = self.command == "HEAD"
-        self.send_response_only(status)
-        for name, value in headers:
-            if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
-                self.send_header(name, value)
-        length = dict((k.lower(), v) for k, v in headers).get("content-length", "0") if head else str(len(body))
-        self.send_header("Content-Length", length)
-        self.end_headers()
-        if not head:
-            view = memoryview(body)
-            for i in range(0, len(view), CHUNK):
-                piece = view[i:i + CHUNK]
-                pace(len(piece))
-                self.wfile.write(piece)
-        self.wfile.flush()
-
-    def _handle(self) -> None:
-        emu = self.server.emu
-        split = urllib.parse.urlsplit(self.path)
-        parts = urllib.parse.unquote(split.path).lstrip("/").split("/", 1)
-        key = parts[1] if len(parts) > 1 else ""
-        client = client_of(self.headers, self.client_address[0])
-        prefix = prefix_of(key, split.query, emu.preset.prefix_depth)
-        kind = "PUT" if self.command in _WRITES else "GET"
-        allowed = emu._admit(prefix, kind)
-        pace = emu._pacer(client, up=True)
-        body = self._read_body(pace if allowed else (lambda n: None))
-        if body is None:
-            self.close_connection = True
-            self._send(413, [("Content-Type", "text/plain")], b"request body too large for the emulator",
-                       lambda n: None)
-            return
-        _sleep_until(time.monotonic() + emu._first_byte_s())
-        if not allowed:
-            n = emu._record(Request(self.command, key, split.query, self.headers.get("Range"), client, 503))
-            xml = _SLOWDOWN_XML.format(resource=urllib.parse.quote(key), n=n).encode()
-            self._send(503, [("Content-Type", "application/xml")], xml, lambda n: None)
-            return
-        try:
-            status, headers, answer = emu._forward(self.command, self.path, self.headers, body)
-        except OSError as exc:
-            self._send(502, [("Content-Type", "text/plain")], f"emulator: upstream failed: {exc}".encode(),
-                       lambda n: None)
-            return
-        emu._record(Request(self.command, key, split.query, self.headers.get("Range"), client, status))
-        self._send(status, headers, answer, emu._pacer(client, up=False))
-
-
-class StoreEmulator:
+class StoreEmulator(HttpProxy):
     """The shaping proxy; see the module docstring. Start with ``with`` (or :meth:`start` / :meth:`stop`)."""
+
+    name = "emulator"
+    thread_name = "store-emulator"
+    request_queue_size = 256
+    max_connections = 512
+    max_body_bytes = 1 << 30
+    idle_timeout_s = 60.0
+    upstream_timeout_s = 300.0
+    lifetime_s = 3600.0
 
     def __init__(
         self,
@@ -287,28 +168,15 @@ class StoreEmulator:
         *,
         scale: float = 1.0,
         seed: int = 0,
-        max_connections: int = 512,
-        max_body_bytes: int = 1 << 30,
-        idle_timeout_s: float = 60.0,
-        upstream_timeout_s: float = 300.0,
-        lifetime_s: float = 3600.0,
         keep_events: int = 100_000,
+        **limits: Unpack[ProxyLimits],
     ) -> None:
-        parsed = urllib.parse.urlsplit(upstream)
-        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
-            raise ValueError(f"upstream must be http://host:port, got {upstream!r}")
+        super().__init__(upstream, **limits)
         if not (scale > 0 and math.isfinite(scale)):
             raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
-        self.upstream = (parsed.hostname, parsed.port)
         self.preset = preset
         self.scale = scale
-        self.max_connections = max_connections
-        self.max_body_bytes = max_body_bytes
-        self.idle_timeout_s = idle_timeout_s
-        self.upstream_timeout_s = upstream_timeout_s
-        self.lifetime_s = lifetime_s
         self._rng = random.Random(seed)
-        self._lock = threading.Lock()
         self._buckets: dict[tuple[str, str], _Bucket] = {}
         self._clients: dict[str, _Link] = {}
         self._bytes: dict[str, list[int]] = {}
@@ -317,9 +185,34 @@ class StoreEmulator:
         self.requests_by_method: Counter[str] = Counter()
         self.slowdowns = 0
         self.events: deque[Request] = deque(maxlen=keep_events)
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-        self._timer: threading.Timer | None = None
+
+    def handle(self, handler: ProxyHandler) -> None:
+        split = urllib.parse.urlsplit(handler.path)
+        parts = urllib.parse.unquote(split.path).lstrip("/").split("/", 1)
+        key = parts[1] if len(parts) > 1 else ""
+        client = client_of(handler.headers, handler.client_address[0])
+        prefix = prefix_of(key, split.query, self.preset.prefix_depth)
+        kind = "PUT" if handler.command in _WRITES else "GET"
+        allowed = self._admit(prefix, kind)
+        pace = self._pacer(client, up=True)  # registers the client even when its request is refused
+        body = handler.read_body(pace if allowed else None)
+        if body is None:
+            handler.close_connection = True
+            handler.send(413, [("Content-Type", "text/plain")], b"request body too large for the emulator")
+            return
+        _sleep_until(time.monotonic() + self._first_byte_s())
+        if not allowed:
+            n = self._record(Request(handler.command, key, split.query, handler.headers.get("Range"), client, 503))
+            xml = _SLOWDOWN_XML.format(resource=urllib.parse.quote(key), n=n).encode()
+            handler.send(503, [("Content-Type", "application/xml")], xml)
+            return
+        try:
+            status, headers, answer = self.forward(handler.command, handler.path, handler.headers, body)
+        except OSError as exc:
+            handler.send(502, [("Content-Type", "text/plain")], f"emulator: upstream failed: {exc}".encode())
+            return
+        self._record(Request(handler.command, key, split.query, handler.headers.get("Range"), client, status))
+        handler.send(status, headers, answer, self._pacer(client, up=False))
 
     # ------------------------------------------------------------------ derived parameters
     @property
@@ -333,41 +226,6 @@ class StoreEmulator:
     @property
     def client_bytes_per_s(self) -> float:
         return self.preset.client_mb_s * 1e6 * self.scale
-
-    # ------------------------------------------------------------------ lifecycle
-    @property
-    def url(self) -> str:
-        if self._server is None:
-            raise RuntimeError("the emulator is not started")
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def start(self) -> StoreEmulator:
-        if self._server is not None:
-            return self
-        self._server = _Server(self)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="store-emulator", daemon=True)
-        self._thread.start()
-        self._timer = threading.Timer(self.lifetime_s, self.stop)
-        self._timer.daemon = True
-        self._timer.start()
-        return self
-
-    def stop(self) -> None:
-        server, self._server = self._server, None
-        if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.cancel()
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-
-    def __enter__(self) -> StoreEmulator:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # ------------------------------------------------------------------ counters
     def reset(self) -> None:
@@ -425,7 +283,7 @@ class StoreEmulator:
             z = self._rng.gauss(0.0, 1.0)
         return self.first_byte_median_s * math.exp(sigma * z)
 
-    def _pacer(self, client: str, *, up: bool) -> Any:
+    def _pacer(self, client: str, *, up: bool) -> Pace:
         conn = _Link(self.conn_bytes_per_s)
         with self._lock:
             link = self._clients.setdefault(client, _Link(self.client_bytes_per_s))
@@ -444,18 +302,3 @@ class StoreEmulator:
             self.requests_by_client[req.client] += 1
             self.requests_by_method[req.method] += 1
             return sum(self.requests_by_method.values())
-
-    def _forward(self, method: str, path: str, headers: Any, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-        conn = http.client.HTTPConnection(*self.upstream, timeout=self.upstream_timeout_s)
-        try:
-            conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-            for name, value in headers.items():
-                if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
-                    conn.putheader(name, value)
-            if body or method in ("PUT", "POST"):
-                conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders(body if body else None)
-            resp = conn.getresponse()
-            return resp.status, list(resp.getheaders()), resp.read()
-        finally:
-            conn.close()

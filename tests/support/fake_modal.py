@@ -1,0 +1,53 @@
+"""What every fake of the ``modal`` SDK in the executor tests shares: the module's fixed parts and how
+it is put in place of the real one.
+
+::
+
+    mod = fake_modal_module(modal_exception, App=App, FunctionCall=FunctionCall, ...)  # the test's own parts
+    install_fake_modal(monkeypatch, mod)          # ``import modal`` now gives ``mod``; fake Modal tokens set
+
+The executor is checked against the SDK's real exception names: the caller passes the real
+``modal.exception`` module (from ``pytest.importorskip("modal.exception")``, so a machine without the
+SDK skips the test instead of failing to import this module).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import pytest
+
+__all__ = ["call_result", "fake_modal_module", "install_fake_modal"]
+
+
+def fake_modal_module(exception: types.ModuleType, **parts: Any) -> types.ModuleType:
+    """A module named ``modal`` with ``Secret.from_name`` (gives ``("secret", name)``), ``Retries``
+    (gives ``("retries", kwargs)``), ``exception`` (the module passed in) and ``parts`` as attributes."""
+    mod = types.ModuleType("modal")
+    mod.Secret = types.SimpleNamespace(from_name=lambda name: ("secret", name))  # type: ignore[attr-defined]
+    mod.Retries = lambda **kw: ("retries", kw)  # type: ignore[attr-defined]
+    mod.exception = exception  # type: ignore[attr-defined]
+    for name, value in parts.items():
+        setattr(mod, name, value)
+    return mod
+
+
+def install_fake_modal(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType) -> None:
+    """Make ``import modal`` give ``module`` and set fake ``MODAL_TOKEN_ID`` / ``MODAL_TOKEN_SECRET``,
+    both undone when the test ends."""
+    monkeypatch.setitem(sys.modules, "modal", module)
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
+
+
+def call_result(outcome: Any, exception: types.ModuleType) -> Any:
+    """What a fake ``FunctionCall.get`` does with a call's scripted ``outcome``: ``"running"`` raises
+    ``exception.TimeoutError`` (the call has not finished), an exception is raised, anything else is
+    the call's result."""
+    if outcome == "running":
+        raise exception.TimeoutError()
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
