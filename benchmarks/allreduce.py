@@ -345,9 +345,10 @@ def physical_limit_s(preset: StorePreset, scale: float, lower_bound_bytes: float
 
 
 def plan(quick: bool, backends: list[str], repeat: int, ns_: list[int] | None = None,
-         sizes_: list[int] | None = None, codecs_: list[str] | None = None) -> list[Case]:
+         sizes_: list[int] | None = None, codecs_: list[str] | None = None,
+         methods: tuple[str, ...] = ("sharded", "naive")) -> list[Case]:
     """Cases in run order; each (sharded, naive) pair is repeated ``repeat`` times, interleaved.
-    ``ns_``, ``sizes_``, ``codecs_`` replace the defaults when given."""
+    ``ns_``, ``sizes_``, ``codecs_`` replace the defaults when given; ``methods`` keeps a subset."""
     cases = []
     for backend in backends:
         ns = [4, 8] if quick else ([8] if backend in PRESETS else [2, 4, 8])
@@ -359,7 +360,7 @@ def plan(quick: bool, backends: list[str], repeat: int, ns_: list[int] | None = 
             for p in sizes:
                 for c in codecs:
                     for _ in range(repeat):
-                        cases += [Case(backend, n, p, c, "sharded"), Case(backend, n, p, c, "naive")]
+                        cases += [Case(backend, n, p, c, m) for m in ("sharded", "naive") if m in methods]
     return cases
 
 
@@ -434,14 +435,19 @@ def main() -> int:
     ap.add_argument("--sizes", default="", help="comma-separated payload sizes in MB (default per back end)")
     ap.add_argument("--codecs", default="", help="comma-separated codecs (default per back end)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--methods", default="sharded,naive",
+                    help="comma-separated subset of sharded,naive (one alone: no speedup column)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
     if not args.scale > 0:
         ap.error(f"--scale must be > 0, got {args.scale}")
     backends = [b for b in args.backends.split(",") if b] + list(dict.fromkeys(args.preset))
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    methods = tuple(m for m in args.methods.split(",") if m)
+    if not methods or set(methods) - {"sharded", "naive"}:
+        ap.error(f"--methods must name sharded and/or naive, got {args.methods!r}")
     cases = plan(args.quick, backends, args.repeat, ints(args.ns), ints(args.sizes),
-                 [c for c in args.codecs.split(",") if c])
+                 [c for c in args.codecs.split(",") if c], methods)
     moto: tuple[str, CountingWSGI, Any] | None = None
     emulators: list[StoreEmulator] = []
     rows: list[dict[str, Any]] = []

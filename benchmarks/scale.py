@@ -19,8 +19,10 @@ run in lockstep (every replica needs the previous phase's objects); a phase last
 slowest replica (ceil(requests / 16 connections) x latency + bytes / bandwidth), stretched where a
 prefix's requests exceed its rate limit (what a store's 503 SlowDown + retry does). Waiting costs
 what the real code's polls cost when each wait sees one empty poll: the quorum two LISTs of the
-ready markers and two GETs of quorum.json (plus the first GET that finds none), a hierarchical wait
-one GET of one missing object (exchange/hierarchical.py polls one object, then fetches the rest).
+ready markers and, for all but its writer, two GETs of quorum.json; a flat gather one GET of every
+missing reduced shard; a hierarchical wait one GET of one missing object (exchange/hierarchical.py polls
+one object, then fetches the rest). Shards larger than the part size are split (docs/exchange.md,
+"Round trips"), as the real code does on S3.
 
 Cross-check: the real ObjectStoreAllReduce with N threads and 1,024-element tensors on file://,
 through a store that counts every request, against the schedule at the same N (3 levels forced at
@@ -53,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from diloco_serverless.exchange import topology as topology_module  # noqa: E402
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce  # noqa: E402
-from diloco_serverless.exchange.topology import AUTO_HIERARCHICAL_FROM, branching, levels  # noqa: E402
+from diloco_serverless.exchange.topology import AUTO_HIERARCHICAL_FROM, branching, levels, split_for  # noqa: E402
 from diloco_serverless.launcher.pricing import MODAL_USD_PER_HOUR  # noqa: E402
 from diloco_serverless.run.layout import (  # noqa: E402
     contrib_key,
@@ -71,6 +73,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "scale.json"
 RUN_ID = "run-0123abcd"  # a run folder directly under the bucket: s3://bucket/<run_id>/...
 CONNECTIONS = 16  # concurrent requests per replica (the exchange's pools)
 HEADER_BYTES = 900  # safetensors header + MAC of one exchange object (measured: ~0.9 KB)
+PART_SIZE = 16 << 20  # the store's multipart part size (TransferPolicy's default): larger shards are split
 #: Cost assumptions for "request spend vs GPU spend" (stated in the output).
 GPU, INNER_STEPS, STEP_S = "H100", 500, 0.5
 
@@ -94,34 +97,36 @@ def _bounds(p: int, s: int) -> list[int]:
 
 
 def schedule(n: int, topology: str, p: int) -> list[Phase]:
-    """One round's requests per replica, phase by phase (all N take part; nobody dies), as
+    """One steady-state round's requests per replica, phase by phase (all N take part; nobody dies;
+    the replicas finished the previous round, so none reads ``quorum.json`` before publishing), as
     ObjectStoreAllReduce issues them (cross-checked against the real code by ``--check``)."""
     spread = spread_count(n)
     hier = topology == "hierarchical"
-    s = branching(n) if hier else n
+    split = split_for(p // 4, n, topology, lambda k: 4 * k + HEADER_BYTES, PART_SIZE)
+    s = branching(n) if hier else n * split
     size = _bounds(p, s)
     obj = [b + HEADER_BYTES for b in size]
     pub, quo = Phase("publish"), Phase("quorum")
     pages = max(1, math.ceil(n / 1000))
     for q in range(n):
-        pub.reqs[q].append(Req("GET", quorum_key(0)))  # is there a quorum already? (a miss)
         pub.reqs[q] += [Req("PUT", contrib_key(0, j, q, spread), obj[j]) for j in range(s)]
         pub.reqs[q].append(Req("PUT", ready_key(0, q), 300))
-        # two polls: LIST the ready markers (one page per 1,000) and, once all are ready, GET quorum.json
+        # two polls: LIST the ready markers (one page per 1,000); once all are ready the writer (rank 0)
+        # creates quorum.json (it fetched the markers while polling) and the others GET it (one miss, one hit)
         quo.reqs[q] += [Req("LIST", ready_prefix(0)) for _ in range(2 * pages)]
-        quo.reqs[q] += [Req("GET", quorum_key(0)), Req("GET", quorum_key(0), 300 * n)]
+        if q:
+            quo.reqs[q] += [Req("GET", quorum_key(0)), Req("GET", quorum_key(0), 300 * n)]
     quo.reqs[0] += [Req("GET", ready_key(0, q), 300) for q in range(1, n)] + [Req("PUT", quorum_key(0), 300 * n)]
     phases = [pub, quo]
     if not hier:
         red, gat = Phase("reduce"), Phase("gather")
         for q in range(n):
-            red.reqs[q] += [Req("GET", contrib_key(0, q, o, spread), obj[q]) for o in range(n) if o != q]
-            red.reqs[q].append(Req("PUT", reduced_key(0, q, spread), obj[q]))
-            others = [j for j in range(n) if j != q]
-            if spread == 1:
-                gat.reqs[q].append(Req("LIST", "rounds/00000000/reduced"))
+            mine = range(q, s, n)  # shard j is reduced by Q[j mod N]
+            red.reqs[q] += [Req("GET", contrib_key(0, j, o, spread), obj[j]) for j in mine for o in range(n) if o != q]
+            red.reqs[q] += [Req("PUT", reduced_key(0, j, spread), obj[j]) for j in mine]
+            others = [j for j in range(s) if j % n != q]
+            gat.reqs[q] += [Req("GET", reduced_key(0, j, spread)) for j in others]  # one poll that missed them all
             gat.reqs[q] += [Req("GET", reduced_key(0, j, spread), obj[j]) for j in others]
-            gat.reqs[q].append(Req("GET", reduced_key(0, others[0], spread)))  # one poll that missed
         return phases + [red, gat]
     return phases + _tree_phases(n, s, size, spread)
 
@@ -346,7 +351,7 @@ def cross_check(n: int, topology: str, three_from: int) -> dict[str, Any]:
     finally:
         topology_module.THREE_LEVELS_FROM = saved
     with tempfile.TemporaryDirectory() as d:
-        real = real_round(Path(d).as_uri(), n, topology, 1024, rounds=1, three_from=three_from)
+        real = real_round(Path(d).as_uri(), n, topology, 1024, rounds=2, three_from=three_from)  # steady state
     return {"n": n, "topology": topology, "levels": depth if topology == "hierarchical" else None,
             "real_reqs_per_replica": real["reqs_per_replica_mean"], "sim_reqs_per_replica": sim_reqs}
 

@@ -33,7 +33,6 @@ from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 
 FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per empty poll up to poll_interval_s
 _RANK_RE = re.compile(r"rank-(\d+)$")
-_SHARD_RE = re.compile(r"/(\d{4,})$")
 _ROUND = rf"{re.escape(ROUNDS_PREFIX)}/(\d{{8,}})"
 _OWN_MARKER_RE = re.compile(rf"{_ROUND}/ready/rank-\d+")
 _QUORUM_RE = re.compile(rf"{_ROUND}/quorum\.json")
@@ -50,16 +49,6 @@ def ranks_in(keys: Sequence[str]) -> set[int]:
     out: set[int] = set()
     for k in keys:
         m = _RANK_RE.search(k)
-        if m:
-            out.add(int(m.group(1)))
-    return out
-
-
-def shards_in(keys: Sequence[str]) -> set[int]:
-    """Shard numbers named by ``.../reduced/<shard>`` keys (others are ignored)."""
-    out: set[int] = set()
-    for k in keys:
-        m = _SHARD_RE.search(k)
         if m:
             out.add(int(m.group(1)))
     return out
@@ -82,11 +71,12 @@ class RoundLayout(NamedTuple):
     numel: int
     world_size: int
     codec: str
-    protocol: str = "flat"  # exchange.topology's protocol (it fixes the shard count)
+    protocol: str = "flat"  # exchange.topology's protocol (with ``split``, it fixes the shard count)
+    split: int = 1
 
     @property
     def shards(self) -> int:
-        return shard_count(self.world_size, self.protocol)
+        return shard_count(self.world_size, self.protocol, self.split)
 
     def shard_numel(self, shard: int) -> int:
         """Elements of ``shard`` (as :func:`shard_bounds` cuts them); 0 for a shard that cannot exist."""
@@ -106,10 +96,10 @@ class RoundLayout(NamedTuple):
             return None
         if not isinstance(codec, str) or codec not in CODECS:
             return None
-        protocol = marker.get("protocol", "flat")
-        if protocol not in PROTOCOLS:
+        protocol, split = marker.get("protocol", "flat"), marker.get("split", 1)
+        if protocol not in PROTOCOLS or type(split) is not int or split < 1:
             return None
-        return cls(numel, world_size, codec, protocol)
+        return cls(numel, world_size, codec, protocol, split)
 
 
 class CountingStore:

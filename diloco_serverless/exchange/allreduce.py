@@ -1,7 +1,8 @@
 """``ObjectStoreAllReduce``: a bandwidth-optimal, fault-tolerant all-reduce (mean) through an object store.
 
 The replicas share nothing but a bucket (S3, GCS, a local folder). One call is one round
-(docs/architecture.md, "The exchange protocol"): the flat tensor is cut into S = world_size fixed shards; each replica
+(docs/architecture.md, "The exchange protocol"): the flat tensor is cut into S = world_size fixed shards
+(times ``split`` when a shard would exceed the store's part size: :func:`.topology.split_for`); each replica
 PUTs its S contribution objects then a ``ready`` marker; a create-only ``quorum.json`` fixes the
 participants Q (all N, or at least ``min_replicas`` after the straggler deadline); shard j is
 reduced by ``Q[j mod |Q|]``, which sums the participants' decoded shards in rank order in fp32,
@@ -42,13 +43,13 @@ from diloco_serverless.exchange._io import (
 from diloco_serverless.exchange._io import (
     CountingStore,
     shard_bounds,
-    shards_in,
 )
 from diloco_serverless.exchange.codec import (
     ShardHeader,
     decode_shard,
     decode_values,
     encode_values,
+    max_object_bytes,
     pack,
     validate_codec,
 )
@@ -69,13 +70,12 @@ from diloco_serverless.exchange.quorum import (
     wait_for_quorum,
     write_abstention,
 )
-from diloco_serverless.exchange.topology import resolve, shard_count
+from diloco_serverless.exchange.topology import resolve, shard_count, split_for
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
     contrib_key,
     ready_key,
     reduced_key,
-    reduced_prefix,
     round_data_prefixes,
     round_prefix,
     spread_count,
@@ -177,7 +177,7 @@ class ObjectStoreAllReduce:
         )
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
         self.protocol = resolve(topology, world_size) if world_size > 1 else "flat"
-        self._shards, self._spread = shard_count(world_size, self.protocol), spread_count(world_size)
+        self._spread = spread_count(world_size)
         self._run_key = run_key
         self.codec = validate_codec(codec)
         self.timeout_s, self.straggler_timeout_s, self.takeover_timeout_s = (
@@ -189,6 +189,7 @@ class ObjectStoreAllReduce:
         self.error_feedback, self.keep_rounds, self.poll_interval_s = error_feedback, keep_rounds, poll_interval_s
         self.last_stats: RoundStats | None = None
         self._next_round = 0
+        self._attempted: int | None = None  # the round of the last allreduce call (finished or not)
         self._residuals: dict[str, torch.Tensor] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._io: CountingStore | None = None
@@ -231,9 +232,16 @@ class ObjectStoreAllReduce:
         flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
         if self.error_feedback and self.codec != "fp32":
             flat = self._add_residual(flat, residual_key)
-        rs = _Round(r, self._marker(r, tensor), shard_bounds(flat.numel(), self._shards), t0 + self.timeout_s)
+        me = self._marker(r, tensor)
+        rs = _Round(r, me, shard_bounds(flat.numel(), shard_count(self.world_size, self.protocol, me.split)),
+                    t0 + self.timeout_s)
         rs.stats = RoundStats(r, [], abstained=abstain or _non_finite(flat))
-        quorum = self._join(rs, flat)
+        # A round after one this object finished, tried for the first time, cannot have been published
+        # by us before: skip the quorum read that only a restarted or retried replica needs (a late
+        # replica still finds the quorum while it waits for it).
+        fresh = self.last_stats is not None and self.last_stats.round == r - 1 and self._attempted != r
+        self._attempted = r
+        quorum = self._join(rs, flat, fresh=fresh)
         rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
         out = self._gather(rs, quorum)
         if self.error_feedback and self.codec != "fp32" and rs.own is not None and not rs.stats.late:
@@ -263,7 +271,7 @@ class ObjectStoreAllReduce:
                 f"round {round} averaged {ref.numel} elements (shape {tuple(ref.shape)}) but the tensor to replay into "
                 f"has {like.numel()} (shape {tuple(like.shape)})"
             )
-        bounds = shard_bounds(ref.numel, shard_count(ref.world_size, ref.protocol))
+        bounds = shard_bounds(ref.numel, shard_count(ref.world_size, ref.protocol, ref.split))
         if ref.protocol == "direct":
             rs = _Round(round, ref, bounds, time.monotonic() + self.timeout_s)
             try:
@@ -310,11 +318,12 @@ class ObjectStoreAllReduce:
 
     # ------------------------------------------------------------------ round phases
 
-    def _join(self, rs: _Round, flat: torch.Tensor) -> Quorum:
-        """Publish our contribution unless the round already has a quorum; return the quorum."""
+    def _join(self, rs: _Round, flat: torch.Tensor, *, fresh: bool = False) -> Quorum:
+        """Publish our contribution unless the round already has a quorum (not read when ``fresh``:
+        see :meth:`allreduce`); return the quorum."""
         io = self._io
         assert io is not None and rs.stats is not None
-        quorum = read_quorum(io, run_id=self.run_id, round=rs.r, run_key=self._run_key)
+        quorum = None if fresh else read_quorum(io, run_id=self.run_id, round=rs.r, run_key=self._run_key)
         if quorum is None:
             t = time.monotonic()
             if rs.stats.abstained is None:
@@ -351,7 +360,7 @@ class ObjectStoreAllReduce:
             io.put(contrib_key(rs.r, j, self.rank, self._spread), pack(enc, asdict(header), self._run_key))
             return decode_values(enc, self.codec, b - a)
 
-        own = list(self._executor().map(one, range(self._shards)))
+        own = list(self._executor().map(one, range(len(rs.bounds))))
         self._before_ready(rs)
         io.put(ready_key(rs.r, self.rank), signed_json(self._run_key, "ready", asdict(rs.me)))
         return own
@@ -380,14 +389,15 @@ class ObjectStoreAllReduce:
             out[rs.bounds[j][0] : rs.bounds[j][1]].copy_(values)
             done.add(j)
 
-        for j in range(self._shards):
+        shards = len(rs.bounds)
+        for j in range(shards):
             if quorum.participants[j % len(quorum.participants)] == self.rank:
                 place(j, self._reduce(rs, quorum, j, ref))
                 rs.stats.reduced_shards.append(j)
         started, sleep_s = time.monotonic(), min(_FIRST_POLL_S, self.poll_interval_s)
         rs.stats.phases_s["reduce"] = started - t_reduce
-        while len(done) < self._shards:
-            missing = [j for j in range(self._shards) if j not in done]
+        while len(done) < shards:
+            missing = [j for j in range(shards) if j not in done]
             if self._fetch_reduced(rs, missing, ref, place):
                 sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
                 continue
@@ -412,17 +422,16 @@ class ObjectStoreAllReduce:
     def _fetch_reduced(
         self, rs: _Round, missing: list[int], ref: ReadyMarker, place: Callable[[int, torch.Tensor], None]
     ) -> bool:
-        """Download and verify the reduced shards among ``missing`` that exist now; False if none did."""
+        """Download and verify the reduced shards among ``missing`` that exist now; False if none did.
+
+        The missing shards are GET directly, not listed first: a miss costs what a listing costs, and a
+        shard that exists arrives one round trip sooner."""
         io = self._io
         assert io is not None
-        if self._spread == 1:  # one listing says which shards exist
-            present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
-        else:  # spread over prefixes: GET the missing shards directly (a miss is as cheap as a listing)
-            present = list(missing)
         found = False
-        for batch in _batches(present, rs.bounds, _GATHER_BATCH_BYTES // 4):
+        for batch in _batches(missing, rs.bounds, _GATHER_BATCH_BYTES // 4):
             keys = {j: reduced_key(rs.r, j, self._spread) for j in batch}
-            blobs = io.get_many(list(keys.values()), missing_ok=self._spread > 1)
+            blobs = io.get_many(list(keys.values()), missing_ok=True)
             for j, key in keys.items():
                 if key not in blobs:
                     continue
@@ -439,10 +448,13 @@ class ObjectStoreAllReduce:
         assert io is not None
         if self.protocol == "hierarchical":
             return  # the shard we sum depends on who is in our group: nothing safe to prefetch
-        for q in ready - {self.rank}:
-            key = contrib_key(rs.r, self.rank if self.protocol == "flat" else 0, q, self._spread)
-            if key not in rs.prefetch:
-                rs.prefetch[key] = io.get_async(key)
+        shards = len(rs.bounds)
+        mine = range(self.rank, shards, self.world_size) if self.protocol == "flat" else range(shards)
+        for q in sorted(ready - {self.rank}):
+            for j in mine:
+                key = contrib_key(rs.r, j, q, self._spread)
+                if key not in rs.prefetch:
+                    rs.prefetch[key] = io.get_async(key)
 
     def _reduce(self, rs: _Round, quorum: Quorum, j: int, ref: ReadyMarker) -> torch.Tensor:
         """Mean of shard j over the quorum (rank order, fp32), stored create-only; returns the stored values."""
@@ -470,9 +482,12 @@ class ObjectStoreAllReduce:
         """Direct protocol: the mean of the participants' whole contributions, summed here in rank order
         (fp32, the same operations on every replica) and passed through the codec, as a stored reduced
         shard would be; nothing is written."""
-        acc = self._sum_contributions(rs, quorum, 0, ref)
-        acc /= len(quorum.participants)
-        return decode_values(encode_values(acc, ref.codec), ref.codec, acc.numel())
+        pieces = []
+        for j in range(len(rs.bounds)):
+            acc = self._sum_contributions(rs, quorum, j, ref)
+            acc /= len(quorum.participants)
+            pieces.append(decode_values(encode_values(acc, ref.codec), ref.codec, acc.numel()))
+        return torch.cat(pieces)
 
     def _gather_hierarchical(self, rs: _Round, quorum: Quorum) -> torch.Tensor:
         io = self._io
@@ -548,6 +563,11 @@ class ObjectStoreAllReduce:
             io.delete(round_prefix(r), recursive=True)
 
     def _marker(self, r: int, tensor: torch.Tensor) -> ReadyMarker:
+        assert self._io is not None
+        split = split_for(
+            tensor.numel(), self.world_size, self.protocol, lambda n: max_object_bytes(self.codec, n),
+            self._io.store.multipart_above,
+        )
         return ReadyMarker(
             self.run_id,
             r,
@@ -558,6 +578,7 @@ class ObjectStoreAllReduce:
             list(tensor.shape),
             self.codec,
             self.protocol,
+            split,
         )
 
     def _reduced_header(self, r: int, j: int, bounds: tuple[int, int], ref: ReadyMarker) -> ShardHeader:
@@ -580,7 +601,7 @@ class ObjectStoreAllReduce:
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
-                max_workers=min(16, self.world_size), thread_name_prefix=f"exchange-{self.rank}"
+                max_workers=32, thread_name_prefix=f"exchange-{self.rank}"
             )
         return self._pool
 
@@ -612,12 +633,8 @@ def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, 
     ``transfer`` (the run's ``store_part_size_mb`` / ``store_part_concurrency``) replaces the store's
     default part size and concurrency for large objects."""
 
-    options = dict(storage_options or {})
-    if isinstance(url, str) and url.startswith("s3://"):
-        # Exchange objects are fetched concurrently already; s3fs's intra-object concurrency
-        # would add a HEAD (size probe) before every GET. Callers may still override it.
-        options.setdefault("max_concurrency", 1)
-    store = url if isinstance(url, ObjectStore) else ObjectStore(url, options or None)
+    # No s3fs options to add: ObjectStore reads S3 objects with its own ranged GETs (no HEAD).
+    store = url if isinstance(url, ObjectStore) else ObjectStore(url, dict(storage_options or {}) or None)
     if store.retry.timeout_s > timeout_s:
         store = store.with_retry(replace(store.retry, timeout_s=timeout_s))
     return store if transfer is None else store.with_transfer(transfer)

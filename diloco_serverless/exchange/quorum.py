@@ -17,6 +17,7 @@ import json
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,14 +52,15 @@ class ReadyMarker:
     shape: list[int]
     codec: str
     protocol: str = "flat"  # direct, flat or hierarchical (diloco_serverless.exchange.topology)
+    split: int = 1  # pieces per replica share (diloco_serverless.exchange.topology.split_for)
 
     def signature(self) -> tuple[Any, ...]:
-        return (self.world_size, self.numel, self.dtype, self.codec, self.protocol)
+        return (self.world_size, self.numel, self.dtype, self.codec, self.protocol, self.split)
 
     def describe(self) -> str:
         return (
             f"rank {self.rank}: shape {tuple(self.shape)} ({self.numel} elements, {self.dtype}, codec {self.codec}, "
-            f"{self.protocol} exchange)"
+            f"{self.protocol} exchange{f', {self.split} pieces per share' if self.split != 1 else ''})"
         )
 
     @classmethod
@@ -76,9 +78,13 @@ class ReadyMarker:
     @classmethod
     def from_json(cls, obj: dict[str, Any], *, key: str) -> ReadyMarker:
         try:
-            return cls(**{f: obj[f] for f in cls.__dataclass_fields__})
+            optional = {"split"}  # markers of earlier versions do not carry it (1)
+            marker = cls(**{f: obj[f] for f in cls.__dataclass_fields__ if f in obj or f not in optional})
         except (KeyError, TypeError) as e:
             raise CorruptObjectError(f"ready marker {key!r} is malformed ({e}); refusing it") from e
+        if type(marker.split) is not int or marker.split < 1:
+            raise CorruptObjectError(f"ready marker {key!r} has split={marker.split!r}, not a count >= 1; refusing it")
+        return marker
 
 
 @dataclass(frozen=True)
@@ -226,17 +232,35 @@ class QuorumWait:
     run_key: bytes | None = None  # verify ready markers, abstentions and the quorum with it
 
 
-def _try_create(io: CountingStore, me: ReadyMarker, ready: set[int], run_key: bytes | None) -> None:
-    """Write quorum.json (create-only) from the markers of ``ready``; losing the race is fine."""
-    keys = [ready_key(me.round, r) for r in sorted(ready)]
-    blobs = io.get_many(keys, missing_ok=True)
-    markers: dict[int, ReadyMarker] = {}
-    for r, k in zip(sorted(ready), keys):
-        if k in blobs:
-            markers[r] = ReadyMarker.parse(blobs[k], key=k, run_key=run_key)
-    if markers:
-        q = Quorum(me.run_id, me.round, sorted(markers), markers, me.rank)
-        io.put_if_absent(quorum_key(me.round), signed_json(run_key, "quorum", q.to_json()))
+def _try_create(
+    io: CountingStore, me: ReadyMarker, ready: set[int], run_key: bytes | None,
+    fetched: dict[int, Future[bytes | None]],
+) -> Quorum | None:
+    """Write quorum.json (create-only) from the markers of ``ready``; the quorum if ours won, else
+    ``None`` (losing the race is fine: the caller reads the winner). ``fetched`` holds the marker
+    GETs already started while polling (our own marker is ``me``)."""
+    markers: dict[int, ReadyMarker] = {me.rank: me} if me.rank in ready else {}
+    for r in sorted(ready - set(markers)):
+        k = ready_key(me.round, r)
+        fut = fetched.pop(r, None)
+        data = fut.result() if fut is not None else None
+        data = data if data is not None else io.get_or_none(k)
+        if data is not None:
+            markers[r] = ReadyMarker.parse(data, key=k, run_key=run_key)
+    if not markers:
+        return None
+    q = Quorum(me.run_id, me.round, sorted(markers), markers, me.rank)
+    if io.put_if_absent(quorum_key(me.round), signed_json(run_key, "quorum", q.to_json())):
+        return q
+    return None
+
+
+def _prefetch_markers(io: CountingStore, me: ReadyMarker, ready: set[int],
+                      fetched: dict[int, Future[bytes | None]]) -> None:
+    """Start GETting the ready markers of ``ready`` that the quorum's writer does not hold yet, so that
+    writing the quorum costs one round trip once the last replica is ready."""
+    for r in sorted(ready - set(fetched) - {me.rank}):
+        fetched[r] = io.get_async(ready_key(me.round, r))
 
 
 def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
@@ -271,13 +295,16 @@ def wait_for_quorum(
     entitled_since: float | None = None
     seen: set[int] = set()
     reasons: dict[int, str] = {}  # verified abstentions: rank -> reason
+    fetched: dict[int, Future[bytes | None]] = {}  # ready markers being fetched for the quorum we may write
+    ready: set[int] = set()
     while True:
-        listing = io.list(ready_prefix(me.round))
-        ready = {r for r in ranks_in(listing) if 0 <= r < p.world_size}
-        for r in {r for r in abstained_in(listing) if 0 <= r < p.world_size} - ready - set(reasons):
-            reason = _read_abstention(io, me, r, p.run_key)
-            if reason is not None:
-                reasons[r] = reason
+        if len(ready) < p.world_size:  # once all N are ready, only the quorum is left to read
+            listing = io.list(ready_prefix(me.round))
+            ready = {r for r in ranks_in(listing) if 0 <= r < p.world_size}
+            for r in {r for r in abstained_in(listing) if 0 <= r < p.world_size} - ready - set(reasons):
+                reason = _read_abstention(io, me, r, p.run_key)
+                if reason is not None:
+                    reasons[r] = reason
         abstained = set(reasons) - ready
         if on_ready is not None:
             on_ready(ready)
@@ -290,10 +317,14 @@ def wait_for_quorum(
         entitled = (accounted and len(ready) >= p.min_replicas) or (
             now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas
         )
+        if ready and me.rank == min(ready):
+            _prefetch_markers(io, me, ready, fetched)  # we will write the quorum: fetch what it copies now
         if entitled:
             entitled_since = now if entitled_since is None else entitled_since
             if me.rank == min(ready) or now - entitled_since >= grace_s:
-                _try_create(io, me, ready, p.run_key)
+                created = _try_create(io, me, ready, p.run_key, fetched)
+                if created is not None:
+                    return created  # ours won: no need to read it back
         if entitled or now - last_read >= max(p.poll_interval_s, 0.5):  # others may have formed it without us
             last_read = now
             q = read_quorum(io, run_id=me.run_id, round=me.round, run_key=p.run_key)

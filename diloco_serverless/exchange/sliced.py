@@ -110,9 +110,9 @@ class SlicedAllReduce(ObjectStoreAllReduce):
             sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
 
     # ------------------------------------------------------------------ followers (slice > 0)
-    def _join(self, rs: _Round, flat: torch.Tensor) -> Quorum:
+    def _join(self, rs: _Round, flat: torch.Tensor, *, fresh: bool = False) -> Quorum:
         if self.slice_index == 0:
-            return super()._join(rs, flat)
+            return super()._join(rs, flat, fresh=fresh)
         io = self._io
         assert io is not None and rs.stats is not None
         lead = self._slice_io[0]

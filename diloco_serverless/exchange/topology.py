@@ -1,4 +1,4 @@
-"""Which exchange protocol a round uses, and how it cuts the tensor: picked from N alone.
+"""Which exchange protocol a round uses, and how it cuts the tensor: picked from N (and the part size).
 
 Every replica derives the same answer from the configured world size and the ``exchange.topology``
 setting, and writes it in its ready marker, so replicas that disagree fail with a ``MismatchError``
@@ -8,6 +8,8 @@ before anything is reduced (docs/exchange.md, "Hierarchical exchange").
   reads the others' and sums locally in rank order. 1 PUT + (N-1) GETs of P bytes: at N = 2 exactly
   what a naive exchange moves, and a dead peer's stored contribution is all a survivor needs.
 - ``flat``: S = N shards, reduce-scatter + all-gather (O(N) requests per replica, ~the byte bound).
+  Direct and flat cut each replica's share into :func:`split_for` pieces when one object would
+  exceed the store's multipart part size (one round trip instead of a multipart upload's three).
 - ``hierarchical``: a tree of L levels (:func:`levels`: 2 below :data:`THREE_LEVELS_FROM` replicas,
   3 from there) with branching ``c = ceil(N^(1/L))`` (:func:`branching`); S = c shards. Groups of c
   consecutive ranks sum each shard (a ``partial``); with 3 levels, groups of c groups sum those
@@ -17,6 +19,7 @@ before anything is reduced (docs/exchange.md, "Hierarchical exchange").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 Topology = Literal["flat", "hierarchical", "auto"]
@@ -79,12 +82,37 @@ def group_count(world_size: int, level: int = 1) -> int:
     return -(-world_size // int(branching(world_size) ** level))
 
 
-def shard_count(world_size: int, protocol: str) -> int:
-    """Shards the tensor is cut into: 1 (direct), N (flat), :func:`branching` (hierarchical)."""
+def shard_count(world_size: int, protocol: str, split: int = 1) -> int:
+    """Shards the tensor is cut into: ``split`` (direct), ``N * split`` (flat), :func:`branching`
+    (hierarchical, which never splits). ``split`` is :func:`split_for`'s answer."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"exchange protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if split < 1:
+        raise ValueError(f"split must be >= 1, got {split}")
     if protocol == "direct":
-        return 1
+        return split
     if protocol == "flat":
-        return world_size
+        return world_size * split
     return branching(world_size)
+
+
+def split_for(numel: int, world_size: int, protocol: str, object_bytes: Callable[[int], int],
+              part_size: int | None) -> int:
+    """Pieces each replica's share of ``numel`` values is cut into so that no exchange object exceeds
+    ``part_size``.
+
+    A store that uploads a large object in parts (S3 multipart) pays two extra round trips for it
+    (create, then complete) on top of the parts; the exchange already sends its objects concurrently,
+    so cutting the tensor into more, part-sized shards reaches the same bandwidth in one round trip
+    (docs/exchange.md, "Round trips"). ``object_bytes(n)`` is the stored size of a shard of ``n``
+    values; ``part_size`` ``None`` (a store that sends every object whole) means no split.
+    Hierarchical rounds never split (their shards are the tree's). Every replica computes the same
+    answer from the same run config and tensor size, and writes it in its ready marker.
+    """
+    if part_size is None or protocol == "hierarchical" or numel <= 0:
+        return 1
+    per = world_size if protocol == "flat" else 1
+    split = max(1, -(-object_bytes(-(-numel // per)) // part_size))
+    while object_bytes(-(-numel // (per * split))) > part_size and per * split < numel:
+        split += 1
+    return split

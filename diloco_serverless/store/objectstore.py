@@ -255,6 +255,12 @@ class ObjectStore:
         self._async = bool(getattr(self._fs, "async_impl", False))
 
     # ----------------------------------------------------------------- structure
+    @property
+    def multipart_above(self) -> int | None:
+        """Object size (bytes) above which a PUT goes up in parts (S3 multipart, two extra round
+        trips); ``None`` for back ends that send every object whole."""
+        return self.transfer.part_size if self.protocol == "s3" else None
+
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
 

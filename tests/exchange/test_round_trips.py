@@ -1,0 +1,131 @@
+"""What an exchange round costs in round trips on S3: moto behind the store emulator, which logs every
+request with the rank that sent it.
+
+- A round whose shards would exceed the store's part size is cut into more, part-sized shards: no
+  multipart upload (two extra round trips per object), every object at most one part, the same mean.
+- The replica that writes ``quorum.json`` does not read it back.
+- A round after one the replica finished does not start with a quorum read.
+- Reduced shards are fetched directly, never listed first.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+from diloco_serverless.exchange.errors import MismatchError
+from diloco_serverless.run.layout import quorum_key, ready_key
+from diloco_serverless.store._transfer import MIN_PART_SIZE, TransferPolicy
+from support.allreduce import assert_identical, run_replicas
+from support.store_emulator import Request, StoreEmulator, client_options
+from support.store_presets import StorePreset
+
+OPEN = StorePreset(name="open", first_byte_ms=0.01, first_byte_p99_ms=0.01, conn_mb_s=1e4, client_mb_s=1e4,
+                   put_rate=1e6, get_rate=1e6, prefix_depth=2, usd_per_1k_put=0, usd_per_1k_get=0,
+                   usd_per_gb_egress=0, source="test")
+PART = TransferPolicy(part_size=MIN_PART_SIZE, concurrency=4)
+
+
+def _boto(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                        region_name="us-east-1")
+
+
+@pytest.fixture
+def emu(s3_server: str) -> Iterator[StoreEmulator]:
+    with StoreEmulator(s3_server, OPEN) as e:
+        yield e
+
+
+@pytest.fixture
+def bucket(s3_server: str) -> str:
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    name = f"rt-{uuid.uuid4().hex[:10]}"
+    _boto(s3_server).create_bucket(Bucket=name)
+    return name
+
+
+def _maker(endpoint: str, transfer: dict[int, TransferPolicy] | None = None) -> Any:
+    """Replicas whose requests the emulator attributes to ``rank-<r>``; ``transfer`` per rank (default PART)."""
+
+    def make(url: str, r: int, n: int, **kw: Any) -> ObjectStoreAllReduce:
+        opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
+                "client_kwargs": {"region_name": "us-east-1"}, **client_options(r)}
+        return ObjectStoreAllReduce(url, r, n, storage_options=opts, transfer=(transfer or {}).get(r, PART), **kw)
+
+    return make
+
+
+def _ints(n: int, seed: int) -> torch.Tensor:
+    """Small integers: their mean over 2 replicas is exact in fp32 whatever the order of addition."""
+    return torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(seed)).float()
+
+
+def _is_create_upload(r: Request) -> bool:
+    return r.method == "POST" and "uploads" in r.query
+
+
+@pytest.mark.parametrize(("topology", "split"), [("flat", 2), ("auto", 3)])  # auto at N=2: direct
+def test_a_large_round_is_cut_into_part_sized_shards_not_multipart(
+    emu: StoreEmulator, bucket: str, topology: str, split: int
+) -> None:
+    n = 3 * (MIN_PART_SIZE - (128 << 10)) // 4  # 14.6 MiB of fp32: a flat shard (7.3 MiB) or a whole share is over
+    xs = {r: _ints(n, r) for r in range(2)}
+    outs, errors, stats = run_replicas(f"s3://{bucket}", xs, 2, make=_maker(emu.url), topology=topology,
+                                       keep_rounds=None)
+    assert not errors
+    assert_identical(outs)
+    assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2)
+    assert not [r for r in emu.requests() if _is_create_upload(r) or "partNumber" in r.query]
+    listing = _boto(emu.url).list_objects_v2(Bucket=bucket, Prefix="t/rounds/00000000/")["Contents"]
+    data = [o for o in listing if "/contrib/" in o["Key"] or "/reduced/" in o["Key"]]
+    assert data and max(o["Size"] for o in data) <= MIN_PART_SIZE
+    marker = json.loads(_boto(emu.url).get_object(Bucket=bucket, Key=f"t/{ready_key(0, 0)}")["Body"].read())
+    assert marker["split"] == split
+    shards = split * (2 if topology == "flat" else 1)
+    assert len([o for o in data if "/contrib/" in o["Key"]]) == 2 * shards
+    if topology == "flat":
+        assert sorted(stats[0].reduced_shards + stats[1].reduced_shards) == list(range(shards))
+
+
+def test_replicas_that_would_cut_the_tensor_differently_fail_with_a_mismatch(emu: StoreEmulator, bucket: str) -> None:
+    n = 3 * (MIN_PART_SIZE - (128 << 10)) // 4
+    xs = {r: _ints(n, r) for r in range(2)}
+    bigger = {1: TransferPolicy(part_size=4 * MIN_PART_SIZE)}  # rank 1 would not split at all
+    _, errors, _ = run_replicas(f"s3://{bucket}", xs, 2, make=_maker(emu.url, bigger), topology="flat",
+                                timeout_s=20.0)
+    assert set(errors) == {0, 1}
+    assert all(isinstance(e, MismatchError) and "pieces per share" in str(e) for e in errors.values())
+
+
+def test_a_round_spends_no_round_trip_on_reading_back_or_listing(emu: StoreEmulator, bucket: str) -> None:
+    xs = {r: _ints(3000, r) for r in range(3)}
+    outs, errors, _ = run_replicas(f"s3://{bucket}", xs, 3, rounds=2, make=_maker(emu.url), topology="flat")
+    assert not errors
+    assert_identical(outs)
+    log = emu.requests()
+    assert not [r for r in log if r.method == "GET" and "reduced" in r.query]  # no listing of reduced shards
+    for rnd in (0, 1):
+        qkey = f"t/{quorum_key(rnd)}"
+        created = json.loads(_boto(emu.url).get_object(Bucket=bucket, Key=qkey)["Body"].read())
+        writer = f"rank-{created['created_by']}"
+        mine = [r for r in log if r.client == writer]
+        create_at = next(i for i, r in enumerate(mine) if r.method == "PUT" and r.key.endswith(qkey) and r.status < 300)
+        assert not [r for r in mine[create_at:] if r.method == "GET" and r.key.endswith(qkey)]
+        for rank in range(3):
+            own = [r for r in log if r.client == f"rank-{rank}" and f"/{rnd:08d}/" in r.key]
+            first_put = next(i for i, r in enumerate(own) if r.method == "PUT")
+            early_reads = [r for r in own[:first_put] if r.method == "GET" and r.key.endswith(qkey)]
+            # the first round checks for a quorum before publishing (a restarted replica may have taken part);
+            # the next one, after a round this object finished, does not
+            assert len(early_reads) == (1 if rnd == 0 else 0)
