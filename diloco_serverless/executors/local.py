@@ -284,11 +284,14 @@ class LocalProcessExecutor:
         if not same_process(pid, start):
             return None
         argv, recorded = proc_cmdline(pid), d.get("cmdline")
+        if argv is None and not same_process(pid, start):
+            return None  # it ended between the two reads (an exiting process has no command line)
         parsed = _parse_supervisor_argv(argv) if argv is not None and argv == recorded else None
         if parsed is None or parsed[0] != str(rank):
+            seen = "none" if argv is None else " ".join(argv[:4])
             raise ExecutorError(
                 f"local executor: pid {pid} is not the supervisor of rank {rank} recorded at launch (its command "
-                "line differs); refusing to signal it (run.json may have been tampered with)"
+                f"line differs: {seen} ...); refusing to signal it (run.json may have been tampered with)"
             )
         _, log, state, replica_cmd = parsed
         return _Supervisor(pid, start, Path(log), Path(state), run_url_from(None, replica_cmd[3:]), replica_cmd)
