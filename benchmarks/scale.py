@@ -19,8 +19,8 @@ run in lockstep (every replica needs the previous phase's objects); a phase last
 slowest replica (ceil(requests / 16 connections) x latency + bytes / bandwidth), stretched where a
 prefix's requests exceed its rate limit (what a store's 503 SlowDown + retry does). Waiting costs
 what the real code's polls cost when each wait sees one empty poll: the quorum two LISTs of the
-ready markers and, for all but its writer, two GETs of quorum.json; a flat gather one GET of every
-missing reduced shard; a hierarchical wait one GET of one missing object (exchange/hierarchical.py polls
+ready markers and, for all but its writer, two GETs of quorum.json; a flat gather one LIST (unspread)
+or one GET of a missing shard; a hierarchical wait one GET of one missing object (exchange/hierarchical.py polls
 one object, then fetches the rest). Shards larger than the part size are split (docs/exchange.md,
 "Round trips"), as the real code does on S3.
 
@@ -125,8 +125,10 @@ def schedule(n: int, topology: str, p: int) -> list[Phase]:
             red.reqs[q] += [Req("GET", contrib_key(0, j, o, spread), obj[j]) for j in mine for o in range(n) if o != q]
             red.reqs[q] += [Req("PUT", reduced_key(0, j, spread), obj[j]) for j in mine]
             others = [j for j in range(s) if j % n != q]
-            gat.reqs[q] += [Req("GET", reduced_key(0, j, spread)) for j in others]  # one poll that missed them all
+            if spread == 1:  # one LIST per poll says which exist
+                gat.reqs[q].append(Req("LIST", "rounds/00000000/reduced"))
             gat.reqs[q] += [Req("GET", reduced_key(0, j, spread), obj[j]) for j in others]
+            gat.reqs[q].append(Req("GET", reduced_key(0, others[0], spread)))  # one poll that missed
         return phases + [red, gat]
     return phases + _tree_phases(n, s, size, spread)
 

@@ -33,6 +33,7 @@ from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 
 FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per empty poll up to poll_interval_s
 _RANK_RE = re.compile(r"rank-(\d+)$")
+_SHARD_RE = re.compile(r"/(\d{4,})$")
 _ROUND = rf"{re.escape(ROUNDS_PREFIX)}/(\d{{8,}})"
 _OWN_MARKER_RE = re.compile(rf"{_ROUND}/ready/rank-\d+")
 _QUORUM_RE = re.compile(rf"{_ROUND}/quorum\.json")
@@ -42,6 +43,9 @@ _SHARD_OBJECT_RE = re.compile(
 )
 _ROUND_RE = re.compile(_ROUND)
 _KEEP_LAYOUTS = 8  # rounds whose layout a CountingStore remembers (the newest)
+#: Concurrent GETs of one replica: a round splits large tensors into part-sized shards (topology.split_for),
+#: so a gather is many single-part objects; the store's connection pool (64) is the real bound.
+_GET_THREADS = 64
 
 
 def ranks_in(keys: Sequence[str]) -> set[int]:
@@ -49,6 +53,16 @@ def ranks_in(keys: Sequence[str]) -> set[int]:
     out: set[int] = set()
     for k in keys:
         m = _RANK_RE.search(k)
+        if m:
+            out.add(int(m.group(1)))
+    return out
+
+
+def shards_in(keys: Sequence[str]) -> set[int]:
+    """Shard numbers named by ``.../reduced/<shard>`` keys (others are ignored)."""
+    out: set[int] = set()
+    for k in keys:
+        m = _SHARD_RE.search(k)
         if m:
             out.add(int(m.group(1)))
     return out
@@ -117,6 +131,7 @@ class CountingStore:
         self.bytes_up = 0
         self.bytes_down = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._control: ThreadPoolExecutor | None = None
         self._layouts: dict[int, tuple[RoundLayout, bool]] = {}  # round -> (layout, from our own marker)
 
     def reset(self) -> None:
@@ -231,9 +246,12 @@ class CountingStore:
         self._add(down=sum(len(v) for v in out.values()))
         return out
 
-    def get_async(self, key: str) -> Future[bytes | None]:
-        """Start one GET in the background; the future yields ``None`` if the object is missing."""
-        return self._executor().submit(lambda: self.get_many([key], missing_ok=True).get(key))
+    def get_async(self, key: str, *, control: bool = False) -> Future[bytes | None]:
+        """Start one GET in the background; the future yields ``None`` if the object is missing.
+        ``control`` objects (ready markers) use a pool of their own, so they never queue behind
+        contribution downloads."""
+        pool = self._control_executor() if control else self._executor()
+        return pool.submit(lambda: self.get_many([key], missing_ok=True).get(key))
 
     def get_or_none(self, key: str) -> bytes | None:
         """One GET; ``None`` if the object does not exist."""
@@ -242,14 +260,21 @@ class CountingStore:
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="exchange-get")
+                self._pool = ThreadPoolExecutor(max_workers=_GET_THREADS, thread_name_prefix="exchange-get")
             return self._pool
+
+    def _control_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._control is None:
+                self._control = ThreadPoolExecutor(max_workers=4, thread_name_prefix="exchange-control")
+            return self._control
 
     def close(self) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools, self._pool, self._control = (self._pool, self._control), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def get_json(self, key: str) -> Any:
         return json.loads(self.get(key).decode("utf-8"))

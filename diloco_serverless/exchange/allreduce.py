@@ -43,6 +43,7 @@ from diloco_serverless.exchange._io import (
 from diloco_serverless.exchange._io import (
     CountingStore,
     shard_bounds,
+    shards_in,
 )
 from diloco_serverless.exchange.codec import (
     ShardHeader,
@@ -76,6 +77,7 @@ from diloco_serverless.run.layout import (
     contrib_key,
     ready_key,
     reduced_key,
+    reduced_prefix,
     round_data_prefixes,
     round_prefix,
     spread_count,
@@ -424,12 +426,16 @@ class ObjectStoreAllReduce:
     ) -> bool:
         """Download and verify the reduced shards among ``missing`` that exist now; False if none did.
 
-        The missing shards are GET directly, not listed first: a miss costs what a listing costs, and a
-        shard that exists arrives one round trip sooner."""
+        Unspread, one listing says which exist (one request per poll: a poll of many GETs lasts as long as
+        the slowest of them, the latency tail); spread over prefixes, the missing shards are GET directly."""
         io = self._io
         assert io is not None
+        if self._spread == 1:
+            present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
+        else:
+            present = list(missing)
         found = False
-        for batch in _batches(missing, rs.bounds, _GATHER_BATCH_BYTES // 4):
+        for batch in _batches(present, rs.bounds, _GATHER_BATCH_BYTES // 4):
             keys = {j: reduced_key(rs.r, j, self._spread) for j in batch}
             blobs = io.get_many(list(keys.values()), missing_ok=True)
             for j, key in keys.items():
@@ -601,7 +607,7 @@ class ObjectStoreAllReduce:
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
-                max_workers=32, thread_name_prefix=f"exchange-{self.rank}"
+                max_workers=64, thread_name_prefix=f"exchange-{self.rank}"
             )
         return self._pool
 

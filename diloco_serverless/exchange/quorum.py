@@ -260,7 +260,7 @@ def _prefetch_markers(io: CountingStore, me: ReadyMarker, ready: set[int],
     """Start GETting the ready markers of ``ready`` that the quorum's writer does not hold yet, so that
     writing the quorum costs one round trip once the last replica is ready."""
     for r in sorted(ready - set(fetched) - {me.rank}):
-        fetched[r] = io.get_async(ready_key(me.round, r))
+        fetched[r] = io.get_async(ready_key(me.round, r), control=True)
 
 
 def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:

@@ -139,6 +139,11 @@ def contrib_key(round: int, shard: int, rank: int, spread: int = 1) -> str:
     return f"{_data_prefix(round, spread, shard, rank)}/contrib/{fmt_shard(shard)}/{_rank(rank)}"
 
 
+def reduced_prefix(round: int) -> str:
+    """``rounds/<round>/reduced`` (list it to see which shards are reduced; unspread runs only)."""
+    return f"{round_prefix(round)}/reduced"
+
+
 def reduced_key(round: int, shard: int, spread: int = 1) -> str:
     """``rounds/<round>/reduced/<shard:04d>`` (create-only); with ``spread`` > 1 under ``x<shard mod
     spread>``: every replica reads every reduced shard, so consecutive shards never share a prefix."""

@@ -5,7 +5,7 @@ request with the rank that sent it.
   multipart upload (two extra round trips per object), every object at most one part, the same mean.
 - The replica that writes ``quorum.json`` does not read it back.
 - A round after one the replica finished does not start with a quorum read.
-- Reduced shards are fetched directly, never listed first.
+- Reduced shards are listed, then only those that exist are fetched (no GET that misses).
 """
 
 from __future__ import annotations
@@ -108,13 +108,15 @@ def test_replicas_that_would_cut_the_tensor_differently_fail_with_a_mismatch(emu
     assert all(isinstance(e, MismatchError) and "pieces per share" in str(e) for e in errors.values())
 
 
-def test_a_round_spends_no_round_trip_on_reading_back_or_listing(emu: StoreEmulator, bucket: str) -> None:
+def test_a_round_spends_no_round_trip_on_reading_back_or_missing(emu: StoreEmulator, bucket: str) -> None:
     xs = {r: _ints(3000, r) for r in range(3)}
     outs, errors, _ = run_replicas(f"s3://{bucket}", xs, 3, rounds=2, make=_maker(emu.url), topology="flat")
     assert not errors
     assert_identical(outs)
     log = emu.requests()
-    assert not [r for r in log if r.method == "GET" and "reduced" in r.query]  # no listing of reduced shards
+    # the gather lists the reduced shards (one request per poll) and GETs only those that exist
+    assert [r for r in log if r.method == "GET" and "reduced" in r.query]
+    assert not [r for r in log if r.method == "GET" and "/reduced/" in r.key and r.status == 404]
     for rnd in (0, 1):
         qkey = f"t/{quorum_key(rnd)}"
         created = json.loads(_boto(emu.url).get_object(Bucket=bucket, Key=qkey)["Body"].read())
