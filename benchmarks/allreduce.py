@@ -200,6 +200,10 @@ def replica_main(
     from diloco_serverless.store.retry import RetryPolicy
 
     torch.set_num_threads(1)
+    if os.environ.get("BENCH_SPLIT") == "off":  # A/B: multipart shards (S = N) instead of part-sized ones
+        import diloco_serverless.exchange.allreduce as exchange_module
+
+        exchange_module.split_for = lambda *args, **kwargs: 1  # type: ignore[assignment]
     opts = (
         {**options, "config_kwargs": {**options.get("config_kwargs", {}), "user_agent_extra": f"bench-rank-{rank}"}}
         if url.startswith("s3")
@@ -437,12 +441,16 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--methods", default="sharded,naive",
                     help="comma-separated subset of sharded,naive (one alone: no speedup column)")
+    ap.add_argument("--split", choices=("auto", "off"), default="auto",
+                    help="off: the exchange keeps S = N shards and uploads large ones as multipart (an A/B of "
+                         "part-sized shards, docs/exchange.md 'Round trips')")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
     if not args.scale > 0:
         ap.error(f"--scale must be > 0, got {args.scale}")
     backends = [b for b in args.backends.split(",") if b] + list(dict.fromkeys(args.preset))
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    os.environ["BENCH_SPLIT"] = args.split  # read by the replica processes (started after this)
     methods = tuple(m for m in args.methods.split(",") if m)
     if not methods or set(methods) - {"sharded", "naive"}:
         ap.error(f"--methods must name sharded and/or naive, got {args.methods!r}")
@@ -508,6 +516,7 @@ def main() -> int:
         "scale": args.scale,
         "part_size_mb": args.part_size_mb,
         "part_concurrency": args.part_concurrency,
+        "split": args.split,
         "presets": {name: PRESETS[name].to_json() for name in dict.fromkeys(args.preset)},
         "replicas": "processes (forkserver), one per replica",
         "rows": rows,
