@@ -640,7 +640,7 @@ def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, 
     default part size and concurrency for large objects."""
 
     # No s3fs options to add: ObjectStore reads S3 objects with its own ranged GETs (no HEAD).
-    store = url if isinstance(url, ObjectStore) else ObjectStore(url, dict(storage_options or {}) or None)
+    store = url if isinstance(url, ObjectStore) else ObjectStore(url, storage_options)
     if store.retry.timeout_s > timeout_s:
         store = store.with_retry(replace(store.retry, timeout_s=timeout_s))
     return store if transfer is None else store.with_transfer(transfer)

@@ -240,11 +240,13 @@ def _try_create(
     ``None`` (losing the race is fine: the caller reads the winner). ``fetched`` holds the marker
     GETs already started while polling (our own marker is ``me``)."""
     markers: dict[int, ReadyMarker] = {me.rank: me} if me.rank in ready else {}
-    for r in sorted(ready - set(markers)):
+    others = sorted(ready - set(markers))
+    have = {r: fetched.pop(r).result() if r in fetched else None for r in others}
+    missing = [ready_key(me.round, r) for r, data in have.items() if data is None]
+    late = io.get_many(missing, missing_ok=True)  # the markers nobody prefetched, concurrently
+    for r in others:
         k = ready_key(me.round, r)
-        fut = fetched.pop(r, None)
-        data = fut.result() if fut is not None else None
-        data = data if data is not None else io.get_or_none(k)
+        data = have[r] if have[r] is not None else late.get(k)
         if data is not None:
             markers[r] = ReadyMarker.parse(data, key=k, run_key=run_key)
     if not markers:

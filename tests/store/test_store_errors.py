@@ -27,6 +27,7 @@ from diloco_serverless.store.objectstore import (
     storage_options_from_env,
 )
 from diloco_serverless.store.retry import RetryPolicy
+from support.moto_s3 import free_port
 
 FAST = RetryPolicy(max_attempts=4, base_delay_s=0.001, max_delay_s=0.01, timeout_s=30.0)
 
@@ -188,9 +189,7 @@ def test_env_options_merge_under_explicit(monkeypatch: pytest.MonkeyPatch, s3_st
 
 # --------------------------------------------------------------------------- unreachable
 def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_port()  # free a moment ago: nothing listens there
 
 
 @pytest.fixture
