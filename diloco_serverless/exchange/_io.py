@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import threading
+import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -46,6 +49,7 @@ _KEEP_LAYOUTS = 8  # rounds whose layout a CountingStore remembers (the newest)
 #: Concurrent GETs of one replica: a round splits large tensors into part-sized shards (topology.split_for),
 #: so a gather is many single-part objects; the store's connection pool (64) is the real bound.
 _GET_THREADS = 64
+_ROUND_TRIP_SAMPLES = 9  # listings whose duration :attr:`CountingStore.round_trip_s` is the median of
 
 
 def ranks_in(keys: Sequence[str]) -> set[int]:
@@ -133,6 +137,15 @@ class CountingStore:
         self._pool: ThreadPoolExecutor | None = None
         self._control: ThreadPoolExecutor | None = None
         self._layouts: dict[int, tuple[RoundLayout, bool]] = {}  # round -> (layout, from our own marker)
+        self._round_trips: deque[float] = deque(maxlen=_ROUND_TRIP_SAMPLES)
+
+    @property
+    def round_trip_s(self) -> float:
+        """This store's round trip as this replica sees it: the median duration of its recent listings
+        (a listing moves almost no bytes, so it is one request's latency); 0.0 before the first."""
+        with self._lock:
+            samples = list(self._round_trips)
+        return statistics.median(samples) if samples else 0.0
 
     def reset(self) -> None:
         with self._lock:
@@ -286,7 +299,11 @@ class CountingStore:
         return self.store.exists(key)
 
     def list(self, prefix: str = "") -> list[str]:
-        return self.store.list(prefix)
+        t = time.monotonic()
+        keys = self.store.list(prefix)
+        with self._lock:
+            self._round_trips.append(time.monotonic() - t)
+        return keys
 
     def delete(self, key: str, *, recursive: bool = False) -> None:
         self.store.delete(key, recursive=recursive)

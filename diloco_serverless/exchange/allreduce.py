@@ -23,7 +23,6 @@ the same create-only ``reduced`` objects. Failures raise :class:`ExchangeError` 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -43,7 +42,6 @@ from diloco_serverless.exchange._io import (
 from diloco_serverless.exchange._io import (
     CountingStore,
     shard_bounds,
-    shards_in,
 )
 from diloco_serverless.exchange.codec import (
     ShardHeader,
@@ -60,6 +58,7 @@ from diloco_serverless.exchange.errors import (
     MismatchError,
     RoundPrunedError,
 )
+from diloco_serverless.exchange.gather import ReducedShards
 from diloco_serverless.exchange.hierarchical import HierarchicalRound
 from diloco_serverless.exchange.quorum import (
     Quorum,
@@ -398,53 +397,36 @@ class ObjectStoreAllReduce:
                 rs.stats.reduced_shards.append(j)
         started, sleep_s = time.monotonic(), min(_FIRST_POLL_S, self.poll_interval_s)
         rs.stats.phases_s["reduce"] = started - t_reduce
+        keys = {j: reduced_key(rs.r, j, self._spread) for j in range(shards)}
+        fetch = ReducedShards(io, keys, {j: 4 * (b - a) for j, (a, b) in enumerate(rs.bounds)},
+                              reduced_prefix(rs.r) if self._spread == 1 else None, _GATHER_BATCH_BYTES)
+
+        def arrived(j: int, data: bytes) -> None:
+            expect = self._reduced_header(rs.r, j, rs.bounds[j], ref)
+            place(j, decode_shard(data, key=keys[j], expect=expect, run_key=self._run_key))
+
         while len(done) < shards:
-            missing = [j for j in range(shards) if j not in done]
-            if self._fetch_reduced(rs, missing, ref, place):
+            if fetch.poll({j for j in range(shards) if j not in done}, arrived):
                 sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
                 continue
             now = time.monotonic()
-            if now - started >= self.takeover_timeout_s:
+            missing = [j for j in range(shards) if j not in done and j not in fetch.in_flight()]
+            if missing and now - started >= self.takeover_timeout_s:
                 for j in missing:
                     place(j, self._reduce(rs, quorum, j, ref))
                     rs.stats.takeovers.append(j)
                 continue
             if now >= rs.deadline:
-                owners = {j: quorum.participants[j % len(quorum.participants)] for j in missing}
+                owners = {j: quorum.participants[j % len(quorum.participants)] for j in range(shards) if j not in done}
                 raise TimeoutError(
                     f"round {rs.r}: reduced shards never appeared (shard: owner rank) {owners}; check those replicas"
                 )
             pause = min(sleep_s, max(0.0, rs.deadline - now))
-            time.sleep(pause)
-            rs.stats.wait_s += pause
+            fetch.wait(pause)
+            rs.stats.wait_s += time.monotonic() - now
             sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
         rs.stats.phases_s["gather"] = time.monotonic() - started
         return out
-
-    def _fetch_reduced(
-        self, rs: _Round, missing: list[int], ref: ReadyMarker, place: Callable[[int, torch.Tensor], None]
-    ) -> bool:
-        """Download and verify the reduced shards among ``missing`` that exist now; False if none did.
-
-        Unspread, one listing says which exist (one request per poll: a poll of many GETs lasts as long as
-        the slowest of them, the latency tail); spread over prefixes, the missing shards are GET directly."""
-        io = self._io
-        assert io is not None
-        if self._spread == 1:
-            present = sorted(shards_in(io.list(reduced_prefix(rs.r))) & set(missing))
-        else:
-            present = list(missing)
-        found = False
-        for batch in _batches(present, rs.bounds, _GATHER_BATCH_BYTES // 4):
-            keys = {j: reduced_key(rs.r, j, self._spread) for j in batch}
-            blobs = io.get_many(list(keys.values()), missing_ok=True)
-            for j, key in keys.items():
-                if key not in blobs:
-                    continue
-                found = True
-                expect = self._reduced_header(rs.r, j, rs.bounds[j], ref)
-                place(j, decode_shard(blobs.pop(key), key=key, expect=expect, run_key=self._run_key))
-        return found
 
     def _prefetch(self, rs: _Round, ready: set[int]) -> None:
         """While waiting for the quorum, start downloading the contributions of ready ranks to the
@@ -616,21 +598,6 @@ def _non_finite(flat: torch.Tensor) -> str | None:
     """Why ``flat`` must not be averaged in (it holds NaN or Inf), or None."""
     bad = int((~torch.isfinite(flat)).sum())
     return None if bad == 0 else f"pseudo-gradient has {bad} non-finite values (NaN/Inf) of {flat.numel()}"
-
-
-def _batches(shards: list[int], bounds: list[tuple[int, int]], max_elems: int) -> list[list[int]]:
-    """Group shards into concurrent downloads of at most ``max_elems`` elements (at least one shard each)."""
-    out: list[list[int]] = []
-    size = 0
-    for j in shards:
-        n = bounds[j][1] - bounds[j][0]
-        if out and size + n <= max_elems:
-            out[-1].append(j)
-            size += n
-        else:
-            out.append([j])
-            size = n
-    return out
 
 
 def _open_store(url: str | ObjectStore, storage_options: dict[str, Any] | None, timeout_s: float,

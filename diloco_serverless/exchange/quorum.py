@@ -265,6 +265,14 @@ def _prefetch_markers(io: CountingStore, me: ReadyMarker, ready: set[int],
         fetched[r] = io.get_async(ready_key(me.round, r), control=True)
 
 
+def _grace_s(io: CountingStore, p: QuorumWait) -> float:
+    """How long an entitled replica that is not the designated writer leaves the writer: four round
+    trips (the writer's last marker GET and its create, our read, one spare) and never under half a
+    second. On a slow store (seconds per request) a fixed grace had every replica fetch the N markers
+    and race the create, three wasted round trips each."""
+    return max(4 * p.poll_interval_s, 0.5, 4 * io.round_trip_s)
+
+
 def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
     """Raise :class:`RoundPrunedError` if a later round already has a quorum (one recursive listing)."""
     later = sorted(
@@ -286,13 +294,13 @@ def wait_for_quorum(
 
     Entitled = all N ready, or our straggler deadline passed with ``min_replicas`` ready. The
     lowest ready rank writes at once (one replica reads the N markers, not N replicas); any other
-    entitled replica writes after a short grace, so a writer that died costs only that grace.
+    entitled replica writes after a grace of four round trips (at least 0.5 s), so a writer that died
+    costs only that grace.
     ``on_ready`` sees the ready ranks after every listing (the exchange starts prefetching there).
     Raises ``TimeoutError`` naming the ranks that never arrived when ``p.deadline`` passes with
     fewer than ``min_replicas`` ready, and :class:`RoundPrunedError` if the run moved on.
     """
     started = time.monotonic()
-    grace_s = max(4 * p.poll_interval_s, 0.5)
     sleep_s, last_skip_check, last_read = min(_FIRST_POLL_S, p.poll_interval_s), started - 1.0, started
     entitled_since: float | None = None
     seen: set[int] = set()
@@ -323,7 +331,7 @@ def wait_for_quorum(
             _prefetch_markers(io, me, ready, fetched)  # we will write the quorum: fetch what it copies now
         if entitled:
             entitled_since = now if entitled_since is None else entitled_since
-            if me.rank == min(ready) or now - entitled_since >= grace_s:
+            if me.rank == min(ready) or now - entitled_since >= _grace_s(io, p):
                 created = _try_create(io, me, ready, p.run_key, fetched)
                 if created is not None:
                     return created  # ours won: no need to read it back

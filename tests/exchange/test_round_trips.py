@@ -131,3 +131,28 @@ def test_a_round_spends_no_round_trip_on_reading_back_or_missing(emu: StoreEmula
             # the first round checks for a quorum before publishing (a restarted replica may have taken part);
             # the next one, after a round this object finished, does not
             assert len(early_reads) == (1 if rnd == 0 else 0)
+
+
+SLOW = StorePreset(name="slow", first_byte_ms=400.0, first_byte_p99_ms=400.0, conn_mb_s=1e4, client_mb_s=1e4,
+                   put_rate=1e6, get_rate=1e6, prefix_depth=2, usd_per_1k_put=0, usd_per_1k_get=0,
+                   usd_per_gb_egress=0, source="test: every request waits 0.4 s")
+
+
+def test_on_a_slow_store_only_the_writer_creates_the_quorum(s3_server: str, bucket: str) -> None:
+    """At 0.4 s per request a fixed half-second grace ran out before the writer's create landed, and every
+    replica fetched the N ready markers and raced the create. The grace is four of the store's round trips."""
+    xs = {r: _ints(1000, r) for r in range(3)}
+    with StoreEmulator(s3_server, SLOW) as slow:
+        outs, errors, _ = run_replicas(f"s3://{bucket}", xs, 3, make=_maker(slow.url), topology="flat",
+                                       timeout_s=60.0, straggler_timeout_s=60.0, takeover_timeout_s=60.0)
+        log = slow.requests()
+    assert not errors
+    assert_identical(outs)
+    qkey = f"t/{quorum_key(0)}"
+    created = json.loads(_boto(s3_server).get_object(Bucket=bucket, Key=qkey)["Body"].read())
+    writer = f"rank-{created['created_by']}"
+    creates = {r.client for r in log if r.method == "PUT" and r.key.endswith(qkey)}
+    assert creates == {writer}
+    for rank in {f"rank-{r}" for r in range(3)} - {writer}:  # the others read the quorum, not the markers
+        others = {r.key for r in log if r.client == rank and r.method == "GET" and "/ready/" in r.key}
+        assert not others, f"{rank} fetched ready markers {sorted(others)}"
