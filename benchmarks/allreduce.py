@@ -226,6 +226,7 @@ def replica_main(
             straggler_timeout_s=600.0,
             takeover_timeout_s=600.0,
             poll_interval_s=0.2,
+            topology=os.environ.get("BENCH_TOPOLOGY", "flat"),
         )
         barrier.wait()  # parent resets counters
         barrier.wait()  # go
@@ -444,6 +445,9 @@ def main() -> int:
     ap.add_argument("--split", choices=("auto", "off"), default="auto",
                     help="off: the exchange keeps S = N shards and uploads large ones as multipart (an A/B of "
                          "part-sized shards, docs/exchange.md 'Round trips')")
+    ap.add_argument("--topology", choices=("flat", "direct", "auto"), default="flat",
+                    help="exchange.topology of the sharded method (default flat; auto picks direct for small "
+                         "tensors, docs/exchange.md 'Hierarchical exchange')")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
     if not args.scale > 0:
@@ -451,6 +455,7 @@ def main() -> int:
     backends = [b for b in args.backends.split(",") if b] + list(dict.fromkeys(args.preset))
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     os.environ["BENCH_SPLIT"] = args.split  # read by the replica processes (started after this)
+    os.environ["BENCH_TOPOLOGY"] = args.topology
     methods = tuple(m for m in args.methods.split(",") if m)
     if not methods or set(methods) - {"sharded", "naive"}:
         ap.error(f"--methods must name sharded and/or naive, got {args.methods!r}")
@@ -517,6 +522,7 @@ def main() -> int:
         "part_size_mb": args.part_size_mb,
         "part_concurrency": args.part_concurrency,
         "split": args.split,
+        "topology": args.topology,
         "presets": {name: PRESETS[name].to_json() for name in dict.fromkeys(args.preset)},
         "replicas": "processes (forkserver), one per replica",
         "rows": rows,

@@ -260,7 +260,8 @@ def dp_worker(rank: int, setup: Setup, url: str, run_id: str, barrier: Any, queu
         kwargs = cfg.loss.compose_kwargs()
         options = client_options(rank) if url.startswith("s3://") else None  # the emulator's per-replica NIC
         ar = ObjectStoreAllReduce(url, rank, setup.replicas, run_id=run_id, keep_rounds=2, storage_options=options,
-                                  poll_interval_s=setup.poll_interval_s, straggler_timeout_s=600, timeout_s=1200)
+                                  poll_interval_s=setup.poll_interval_s, straggler_timeout_s=600, timeout_s=1200,
+                                  topology=cfg.exchange.topology)  # the protocol (b) uses: same config
         barrier.wait()
         t0 = time.monotonic()
         for step in range(setup.steps):

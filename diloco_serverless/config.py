@@ -457,10 +457,11 @@ class ExchangeConfig(_Section):
     keep_rounds: int | None = Field(
         4, ge=1, description="Keep this many recent rounds' objects in the store (healing); unset keeps all."
     )
-    topology: Literal["flat", "hierarchical", "auto"] = Field(
+    topology: Literal["flat", "hierarchical", "direct", "auto"] = Field(
         "auto",
         description="Exchange protocol: flat (O(N) requests per replica), hierarchical (groups of ~sqrt(N), "
-        "O(sqrt N) requests) or auto (whole tensors at N=2, flat below 64 replicas, hierarchical from 64).",
+        "O(sqrt N) requests), direct (whole tensors: fewest round trips, (N-1) x P down) or auto (direct at N=2 "
+        "and for small tensors below 64 replicas, flat for larger ones, hierarchical from 64).",
     )
 
 

@@ -146,8 +146,9 @@ class ObjectStoreAllReduce:
         run_key: the run's secret key (diloco_serverless.run.integrity): every object this replica writes
             carries an HMAC under it, and objects read without a valid one are refused as corrupt.
         poll_interval_s: longest sleep between polls (polling starts at 20 ms and backs off 1.5x).
-        topology: ``flat``, ``hierarchical`` or ``auto`` (:mod:`.topology` picks the protocol from N; at
-            N = 2 ``auto`` exchanges whole tensors, ``direct``). Every replica must use the same.
+        topology: ``flat``, ``hierarchical``, ``direct`` or ``auto`` (:func:`.topology.resolve` picks the
+            protocol of each round from N and the tensor's size: ``direct``, whole tensors, at N = 2 and for
+            small tensors). Every replica must use the same.
 
     Raises ``ValueError`` in ``__init__`` for an impossible configuration, saying what to change.
     """
@@ -177,7 +178,8 @@ class ObjectStoreAllReduce:
             poll_interval_s,
         )
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
-        self.protocol = resolve(topology, world_size) if world_size > 1 else "flat"
+        self.topology = topology
+        self.protocol = resolve(topology, world_size) if world_size > 1 else "flat"  # per round: allreduce()
         self._spread = spread_count(world_size)
         self._run_key = run_key
         self.codec = validate_codec(codec)
@@ -233,6 +235,7 @@ class ObjectStoreAllReduce:
         flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
         if self.error_feedback and self.codec != "fp32":
             flat = self._add_residual(flat, residual_key)
+        self.protocol = resolve(self.topology, self.world_size, max_object_bytes(self.codec, flat.numel()))
         me = self._marker(r, tensor)
         rs = _Round(r, me, shard_bounds(flat.numel(), shard_count(self.world_size, self.protocol, me.split)),
                     t0 + self.timeout_s)
@@ -391,10 +394,10 @@ class ObjectStoreAllReduce:
             done.add(j)
 
         shards = len(rs.bounds)
-        for j in range(shards):
-            if quorum.participants[j % len(quorum.participants)] == self.rank:
-                place(j, self._reduce(rs, quorum, j, ref))
-                rs.stats.reduced_shards.append(j)
+        mine = [j for j in range(shards) if quorum.participants[j % len(quorum.participants)] == self.rank]
+        for j, values in self._reduce_all(rs, quorum, mine, ref).items():
+            place(j, values)
+            rs.stats.reduced_shards.append(j)
         started, sleep_s = time.monotonic(), min(_FIRST_POLL_S, self.poll_interval_s)
         rs.stats.phases_s["reduce"] = started - t_reduce
         keys = {j: reduced_key(rs.r, j, self._spread) for j in range(shards)}
@@ -412,8 +415,8 @@ class ObjectStoreAllReduce:
             now = time.monotonic()
             missing = [j for j in range(shards) if j not in done and j not in fetch.in_flight()]
             if missing and now - started >= self.takeover_timeout_s:
-                for j in missing:
-                    place(j, self._reduce(rs, quorum, j, ref))
+                for j, values in self._reduce_all(rs, quorum, missing, ref).items():
+                    place(j, values)
                     rs.stats.takeovers.append(j)
                 continue
             if now >= rs.deadline:
@@ -443,6 +446,14 @@ class ObjectStoreAllReduce:
                 key = contrib_key(rs.r, j, q, self._spread)
                 if key not in rs.prefetch:
                     rs.prefetch[key] = io.get_async(key)
+
+    def _reduce_all(self, rs: _Round, quorum: Quorum, shards: list[int], ref: ReadyMarker) -> dict[int, torch.Tensor]:
+        """:meth:`_reduce` of each of ``shards``, concurrently: a split round gives a replica several
+        shards, and each one's sum waits for its own contributions and its PUT is a round trip of its own."""
+        if len(shards) <= 1:
+            return {j: self._reduce(rs, quorum, j, ref) for j in shards}
+        futures = {j: self._executor().submit(self._reduce, rs, quorum, j, ref) for j in shards}
+        return {j: fut.result() for j, fut in futures.items()}
 
     def _reduce(self, rs: _Round, quorum: Quorum, j: int, ref: ReadyMarker) -> torch.Tensor:
         """Mean of shard j over the quorum (rank order, fp32), stored create-only; returns the stored values."""

@@ -4,9 +4,11 @@ Every replica derives the same answer from the configured world size and the ``e
 setting, and writes it in its ready marker, so replicas that disagree fail with a ``MismatchError``
 before anything is reduced (docs/exchange.md, "Hierarchical exchange").
 
-- ``direct`` (N = 2 under ``auto``): one contribution object per replica; each replica
-  reads the others' and sums locally in rank order. 1 PUT + (N-1) GETs of P bytes: at N = 2 exactly
-  what a naive exchange moves, and a dead peer's stored contribution is all a survivor needs.
+- ``direct`` (under ``auto``: N = 2, and small tensors below 64 replicas, :func:`direct_extra_bytes`):
+  one contribution object per replica; each replica reads the others' and sums locally in rank order.
+  1 PUT + (N-1) GETs of P bytes: at N = 2 exactly what a naive exchange moves, and a dead peer's stored
+  contribution is all a survivor needs. No reduce and no gather: two to three fewer sequential round
+  trips than flat, for (N-1)(N-2)/N P more bytes down.
 - ``flat``: S = N shards, reduce-scatter + all-gather (O(N) requests per replica, ~the byte bound).
   Direct and flat cut each replica's share into :func:`split_for` pieces when one object would
   exceed the store's multipart part size (one round trip instead of a multipart upload's three).
@@ -22,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-Topology = Literal["flat", "hierarchical", "auto"]
+Topology = Literal["flat", "hierarchical", "direct", "auto"]
 Protocol = Literal["direct", "flat", "hierarchical"]
 
-TOPOLOGIES: tuple[str, ...] = ("flat", "hierarchical", "auto")
+TOPOLOGIES: tuple[str, ...] = ("flat", "hierarchical", "direct", "auto")
 PROTOCOLS: tuple[str, ...] = ("direct", "flat", "hierarchical")
 
 #: ``auto`` switches from flat to hierarchical at this many replicas (benchmarks/scale.py, docs/exchange.md).
@@ -33,22 +35,42 @@ AUTO_HIERARCHICAL_FROM = 64
 #: A hierarchical round uses three levels (groups of groups) from this many replicas, two below
 #: (benchmarks/scale.py: fewer requests per replica from here at a similar round time).
 THREE_LEVELS_FROM = 128
+#: ``auto`` uses ``direct`` below :data:`AUTO_HIERARCHICAL_FROM` replicas while the bytes it moves beyond
+#: flat (:func:`direct_extra_bytes`) stay under this: 32 MiB is 0.27 s at 1 Gbit/s, less than the two to
+#: three sequential round trips (reduce, gather) direct saves on S3 or GCS at their tail latency.
+AUTO_DIRECT_EXTRA_BYTES = 32 << 20
 
 
-def resolve(topology: str, world_size: int) -> Protocol:
-    """The protocol a run of ``world_size`` replicas uses under ``topology`` (flat, hierarchical, auto).
+def resolve(topology: str, world_size: int, payload_bytes: int | None = None) -> Protocol:
+    """The protocol a round of ``world_size`` replicas uses under ``topology`` (flat, hierarchical,
+    direct, auto), for a tensor of ``payload_bytes`` encoded bytes (``None``: not known yet).
 
-    ``flat`` and ``hierarchical`` are honoured at any N >= 2 (hierarchical with N < 4 has one group).
-    ``auto`` (the config default) uses ``direct`` at N = 2, where no sharded protocol beats it, flat
-    below :data:`AUTO_HIERARCHICAL_FROM` replicas and hierarchical from there on.
+    ``flat``, ``hierarchical`` and ``direct`` are honoured at any N >= 2 (hierarchical with N < 4 has
+    one group). ``auto`` (the config default) uses ``direct`` at N = 2, where no sharded protocol beats
+    it, and below :data:`AUTO_HIERARCHICAL_FROM` replicas for tensors small enough that direct's extra
+    bytes cost less than the round trips it saves (:data:`AUTO_DIRECT_EXTRA_BYTES`); flat for larger
+    tensors there; hierarchical from :data:`AUTO_HIERARCHICAL_FROM` replicas on. Every replica derives
+    the same answer from the same config and tensor size.
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"exchange topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
     if topology != "auto":
-        return "hierarchical" if topology == "hierarchical" else "flat"
+        return "hierarchical" if topology == "hierarchical" else "direct" if topology == "direct" else "flat"
     if world_size == 2:
         return "direct"
-    return "hierarchical" if world_size >= AUTO_HIERARCHICAL_FROM else "flat"
+    if world_size >= AUTO_HIERARCHICAL_FROM:
+        return "hierarchical"
+    if payload_bytes is not None and direct_extra_bytes(payload_bytes, world_size) <= AUTO_DIRECT_EXTRA_BYTES:
+        return "direct"
+    return "flat"
+
+
+def direct_extra_bytes(payload_bytes: int, world_size: int) -> int:
+    """Bytes a direct round moves per replica beyond a flat one, for ``payload_bytes`` per replica:
+    direct sends P up and (N-1)P down, flat P + P/N up and 2P(N-1)/N down; the difference is
+    ((N-1)(N-2) - 1) P / N (negative at N = 2, where direct is the lighter one)."""
+    n = world_size
+    return ((n - 1) * (n - 2) - 1) * payload_bytes // n
 
 
 def levels(world_size: int) -> int:

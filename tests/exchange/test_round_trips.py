@@ -156,3 +156,20 @@ def test_on_a_slow_store_only_the_writer_creates_the_quorum(s3_server: str, buck
     for rank in {f"rank-{r}" for r in range(3)} - {writer}:  # the others read the quorum, not the markers
         others = {r.key for r in log if r.client == rank and r.method == "GET" and "/ready/" in r.key}
         assert not others, f"{rank} fetched ready markers {sorted(others)}"
+
+
+def test_a_replica_puts_its_reduced_shards_concurrently(s3_server: str, bucket: str) -> None:
+    """A split round gives each replica several shards to reduce; their PUTs (a round trip each) overlap."""
+    n = 3 * (MIN_PART_SIZE - (128 << 10)) // 4  # split 2 at N = 2: four shards, two per replica
+    xs = {r: _ints(n, r) for r in range(2)}
+    with StoreEmulator(s3_server, SLOW) as slow:
+        outs, errors, _ = run_replicas(f"s3://{bucket}", xs, 2, make=_maker(slow.url), topology="flat",
+                                       timeout_s=60.0, straggler_timeout_s=60.0, takeover_timeout_s=60.0)
+        log = slow.requests()
+    assert not errors
+    assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2)
+    for rank in range(2):
+        puts = [r for r in log if r.client == f"rank-{rank}" and r.method == "PUT" and "/reduced/" in r.key]
+        assert len(puts) == 2, [r.key for r in puts]
+        first, second = sorted(puts, key=lambda r: r.arrived)
+        assert second.arrived < first.answered, f"rank {rank} PUT its reduced shards one after the other"

@@ -14,7 +14,15 @@ from diloco_serverless.config import ExchangeConfig
 from diloco_serverless.exchange import topology
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.errors import CorruptObjectError, MismatchError
-from diloco_serverless.exchange.topology import branching, group_count, group_size, levels, resolve, shard_count
+from diloco_serverless.exchange.topology import (
+    branching,
+    direct_extra_bytes,
+    group_count,
+    group_size,
+    levels,
+    resolve,
+    shard_count,
+)
 from diloco_serverless.run.layout import (
     contrib_key,
     partial_key,
@@ -40,13 +48,28 @@ def test_protocol_is_picked_by_n() -> None:
         "hierarchical"
     ]
     assert resolve("flat", 2) == "flat" and resolve("hierarchical", 2) == "hierarchical"
+    assert resolve("direct", 8) == "direct" and resolve("direct", 1024, 1 << 30) == "direct"
     assert [group_size(n) for n in (2, 4, 8, 9, 10, 127, 1024)] == [2, 2, 3, 3, 4, 12, 11]
     assert shard_count(1024, "hierarchical") == 11 and shard_count(2, "direct") == 1 and shard_count(9, "flat") == 9
-    with pytest.raises(ValueError, match="topology must be one of flat, hierarchical, auto, got 'ring'"):
+    with pytest.raises(ValueError, match="topology must be one of flat, hierarchical, direct, auto, got 'ring'"):
         resolve("ring", 4)
-    with pytest.raises(ValueError, match="(?s)topology.*'flat', 'hierarchical' or 'auto'"):
+    with pytest.raises(ValueError, match="(?s)topology.*'flat', 'hierarchical', 'direct' or 'auto'"):
         ExchangeConfig(topology="ring")
     assert ExchangeConfig().topology == "auto"
+
+
+def test_auto_sends_small_tensors_whole_and_shards_large_ones() -> None:
+    """Below 64 replicas ``auto`` uses direct while direct's extra download stays under 32 MiB:
+    ((N-1)(N-2) - 1) P / N more than flat."""
+    mib = 1 << 20
+    assert direct_extra_bytes(12 * mib, 4) == 15 * mib  # 36 MiB down against flat's 18, less flat's 3 MiB more up
+    assert direct_extra_bytes(mib, 2) < 0  # at N = 2 direct is the lighter one
+    assert resolve("auto", 4, 25 * mib) == "direct" and resolve("auto", 4, 26 * mib) == "flat"
+    assert resolve("auto", 8, 6 * mib) == "direct" and resolve("auto", 8, 7 * mib) == "flat"
+    assert resolve("auto", 2, 1 << 30) == "direct"  # any size at N = 2
+    assert resolve("auto", 64, 1) == "hierarchical"  # O(N) GETs each is too many from 64 on
+    assert resolve("auto", 8) == "flat"  # size unknown
+    assert resolve("flat", 8, 1) == "flat"
 
 
 def test_spread_keys_land_in_the_top_components_and_balance() -> None:

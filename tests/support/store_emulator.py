@@ -35,7 +35,7 @@ machine keeps the store (not the proxy's own CPU) the bottleneck with ``scale < 
 
 Counters (thread-safe): bytes and requests per client, requests per method, requests per prefix per
 whole second (:meth:`peak_rate`), SlowDowns answered, and the last ``keep_events`` requests as
-:class:`Request` records (method, key, query, Range header, status) for tests that count HEADs, parts
+:class:`Request` records (method, key, query, Range header, status, arrival and answer times) for tests that count HEADs, parts
 or ranged GETs. Bounded like :mod:`support.fault_proxy`: 127.0.0.1 only, ``max_connections``,
 ``max_body_bytes``, idle keep-alive timeout, ``lifetime_s``.
 """
@@ -105,6 +105,8 @@ class Request:
     range: str | None
     client: str
     status: int
+    arrived: float = 0.0  # time.monotonic() when the request line arrived
+    answered: float = 0.0  # time.monotonic() when its answer was ready (after the first-byte wait)
 
 
 @dataclass
@@ -187,6 +189,7 @@ class StoreEmulator(HttpProxy):
         self.events: deque[Request] = deque(maxlen=keep_events)
 
     def handle(self, handler: ProxyHandler) -> None:
+        arrived = time.monotonic()
         split = urllib.parse.urlsplit(handler.path)
         parts = urllib.parse.unquote(split.path).lstrip("/").split("/", 1)
         key = parts[1] if len(parts) > 1 else ""
@@ -202,7 +205,8 @@ class StoreEmulator(HttpProxy):
             return
         _sleep_until(time.monotonic() + self._first_byte_s())
         if not allowed:
-            n = self._record(Request(handler.command, key, split.query, handler.headers.get("Range"), client, 503))
+            n = self._record(Request(handler.command, key, split.query, handler.headers.get("Range"), client, 503,
+                                     arrived, time.monotonic()))
             xml = _SLOWDOWN_XML.format(resource=urllib.parse.quote(key), n=n).encode()
             handler.send(503, [("Content-Type", "application/xml")], xml)
             return
@@ -211,7 +215,8 @@ class StoreEmulator(HttpProxy):
         except OSError as exc:
             handler.send(502, [("Content-Type", "text/plain")], f"emulator: upstream failed: {exc}".encode())
             return
-        self._record(Request(handler.command, key, split.query, handler.headers.get("Range"), client, status))
+        self._record(Request(handler.command, key, split.query, handler.headers.get("Range"), client, status,
+                             arrived, time.monotonic()))
         handler.send(status, headers, answer, self._pacer(client, up=False))
 
     # ------------------------------------------------------------------ derived parameters
