@@ -35,9 +35,10 @@ machine keeps the store (not the proxy's own CPU) the bottleneck with ``scale < 
 
 Counters (thread-safe): bytes and requests per client, requests per method, requests per prefix per
 whole second (:meth:`peak_rate`), SlowDowns answered, and the last ``keep_events`` requests as
-:class:`Request` records (method, key, query, Range header, status, arrival and answer times) for tests that count HEADs, parts
-or ranged GETs. Bounded like :mod:`support.fault_proxy`: 127.0.0.1 only, ``max_connections``,
-``max_body_bytes``, idle keep-alive timeout, ``lifetime_s``.
+:class:`Request` records (method, key, query, Range header, status, arrival and answer times) for tests
+that count HEADs, parts or ranged GETs, or check that requests overlap. Bounded like
+:mod:`support.fault_proxy`: 127.0.0.1 only, ``max_connections``, ``max_body_bytes``, idle keep-alive
+timeout, ``lifetime_s``.
 """
 
 from __future__ import annotations
