@@ -33,9 +33,15 @@ TINY = ["--replicas", "2", "--set", "inner.sync_every=2", "--set", "data.batch_s
 runner = CliRunner()
 
 
+def _default_sigint() -> None:
+    """A test run started in the background of a shell without job control inherits SIGINT ignored,
+    and Python then leaves it ignored: give the CLI the disposition a terminal's Ctrl-C finds."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _diloco(*args: str, cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "diloco_serverless.cli", *args], cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
 
 
 def _wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
