@@ -412,9 +412,10 @@ class LocalProcessExecutor:
                                            "time": time.time()})
 
     def _reap(self) -> None:
+        # cancel() reaps from one thread per replica: another thread may have removed ``pid`` already
         for pid, proc in list(self._children.items()):
             if proc.poll() is not None:
-                del self._children[pid]
+                self._children.pop(pid, None)
 
 
 def _cancel_marker(state_path: Path) -> Path:
