@@ -413,7 +413,8 @@ class ObjectStoreAllReduce:
                 sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
                 continue
             now = time.monotonic()
-            missing = [j for j in range(shards) if j not in done and j not in fetch.in_flight()]
+            flying = fetch.in_flight()
+            missing = [j for j in range(shards) if j not in done and j not in flying]
             if missing and now - started >= self.takeover_timeout_s:
                 for j, values in self._reduce_all(rs, quorum, missing, ref).items():
                     place(j, values)

@@ -8,7 +8,7 @@ before anything is reduced (docs/exchange.md, "Hierarchical exchange").
   one contribution object per replica; each replica reads the others' and sums locally in rank order.
   1 PUT + (N-1) GETs of P bytes: at N = 2 exactly what a naive exchange moves, and a dead peer's stored
   contribution is all a survivor needs. No reduce and no gather: two to three fewer sequential round
-  trips than flat, for (N-1)(N-2)/N P more bytes down.
+  trips than flat, for ((N-1)(N-2) - 1) P / N more bytes per replica.
 - ``flat``: S = N shards, reduce-scatter + all-gather (O(N) requests per replica, ~the byte bound).
   Direct and flat cut each replica's share into :func:`split_for` pieces when one object would
   exceed the store's multipart part size (one round trip instead of a multipart upload's three).
@@ -22,7 +22,7 @@ before anything is reduced (docs/exchange.md, "Hierarchical exchange").
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, cast
 
 Topology = Literal["flat", "hierarchical", "direct", "auto"]
 Protocol = Literal["direct", "flat", "hierarchical"]
@@ -55,7 +55,7 @@ def resolve(topology: str, world_size: int, payload_bytes: int | None = None) ->
     if topology not in TOPOLOGIES:
         raise ValueError(f"exchange topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
     if topology != "auto":
-        return "hierarchical" if topology == "hierarchical" else "direct" if topology == "direct" else "flat"
+        return cast(Protocol, topology)  # flat, hierarchical, direct: the protocol of the same name
     if world_size == 2:
         return "direct"
     if world_size >= AUTO_HIERARCHICAL_FROM:
