@@ -46,6 +46,7 @@ format, start from a shared barrier, and are timed until the replica has the mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -211,7 +212,10 @@ def replica_main(
     )
     from diloco_serverless.store.objectstore import TransferPolicy
 
-    transfer = TransferPolicy.from_mb(*part) if part else None  # the exchange uses this store's policy
+    hedge = os.environ.get("BENCH_HEDGE", "default")  # A/B: a quantile, or "off"
+    transfer = TransferPolicy.from_mb(*part) if part else TransferPolicy()  # the exchange uses this store's policy
+    if hedge != "default":
+        transfer = dataclasses.replace(transfer, hedge_quantile=None if hedge == "off" else float(hedge))
     store = ObjectStore(url, opts or None, retry=RetryPolicy(timeout_s=STORE_TIMEOUT_S), transfer=transfer)
     for i, case in enumerate(cases):
         x = torch.randn(case.p_mb * MB // 4, generator=torch.Generator().manual_seed(1000 * case.p_mb + rank))
@@ -448,14 +452,25 @@ def main() -> int:
     ap.add_argument("--topology", choices=("flat", "direct", "auto"), default="flat",
                     help="exchange.topology of the sharded method (default flat; auto picks direct for small "
                          "tensors, docs/exchange.md 'Hierarchical exchange')")
+    ap.add_argument("--hedge", default="default",
+                    help="hedged reads of the replicas' store (both methods): a quantile, 'off', or 'default' "
+                         "(the store's, 0.75; docs/exchange.md 'Transfers')")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
+    if args.hedge not in ("default", "off"):
+        from diloco_serverless.store.objectstore import TransferPolicy
+
+        try:
+            TransferPolicy(hedge_quantile=float(args.hedge))
+        except ValueError as e:
+            ap.error(f"--hedge: {e}")
     if not args.scale > 0:
         ap.error(f"--scale must be > 0, got {args.scale}")
     backends = [b for b in args.backends.split(",") if b] + list(dict.fromkeys(args.preset))
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     os.environ["BENCH_SPLIT"] = args.split  # read by the replica processes (started after this)
     os.environ["BENCH_TOPOLOGY"] = args.topology
+    os.environ["BENCH_HEDGE"] = args.hedge
     methods = tuple(m for m in args.methods.split(",") if m)
     if not methods or set(methods) - {"sharded", "naive"}:
         ap.error(f"--methods must name sharded and/or naive, got {args.methods!r}")
@@ -523,6 +538,7 @@ def main() -> int:
         "part_concurrency": args.part_concurrency,
         "split": args.split,
         "topology": args.topology,
+        "hedge": args.hedge,
         "presets": {name: PRESETS[name].to_json() for name in dict.fromkeys(args.preset)},
         "replicas": "processes (forkserver), one per replica",
         "rows": rows,

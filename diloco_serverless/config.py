@@ -429,6 +429,8 @@ STORE_TIMEOUT_S = 60.0
 #: request moves ~50-100 MB/s on a real store, 8 parallel 16 MiB parts reach a 10 Gbit/s NIC.
 STORE_PART_SIZE_MB = 16.0
 STORE_PART_CONCURRENCY = 8
+#: Hedged reads (store.hedge): a read slower than this quantile of recent ones gets a backup request.
+STORE_HEDGE_QUANTILE = 0.75
 
 
 class ExchangeConfig(_Section):
@@ -661,6 +663,13 @@ class RunConfig(_Section):
     )
     store_part_concurrency: int = Field(
         STORE_PART_CONCURRENCY, ge=1, le=64, description="Parts of one large object in flight at once (S3)."
+    )
+    store_hedge_quantile: float | None = Field(
+        STORE_HEDGE_QUANTILE,
+        gt=0.0,
+        lt=1.0,
+        description="A read (GET, listing) slower than this quantile of the store's recent answer times is sent "
+        "again and the first answer wins (S3, GCS); unset = never.",
     )
     replicas: int = Field(4, ge=1, le=4096, description="N: replicas launched (the exchange's world size).")
     min_replicas: int | None = Field(

@@ -211,9 +211,10 @@ def store_policy(config: RunConfig) -> RetryPolicy:
 
 
 def transfer_policy(config: RunConfig) -> TransferPolicy:
-    """How large objects of the run travel (``store_part_size_mb``, ``store_part_concurrency``); apply
-    it with ``store.with_transfer(transfer_policy(cfg))``."""
-    return TransferPolicy.from_mb(config.store_part_size_mb, config.store_part_concurrency)
+    """How large objects of the run travel (``store_part_size_mb``, ``store_part_concurrency``) and when
+    its reads are hedged (``store_hedge_quantile``); apply it with ``store.with_transfer(transfer_policy(cfg))``."""
+    return TransferPolicy.from_mb(config.store_part_size_mb, config.store_part_concurrency,
+                                  config.store_hedge_quantile)
 
 
 def open_run_store(run_url: str, storage_options: dict[str, Any] | None = None, *,

@@ -18,6 +18,9 @@ One request moves ~50-100 MB/s on a real store, far below a replica's NIC, so an
 * **Create-only multipart.** ``put_if_absent`` completes the upload with ``If-None-Match: *``: S3
   answers 412 if the key exists (s3fs raises ``FileExistsError``), exactly like a create-only
   ``PutObject``. An upload that fails is aborted (best effort) so no parts linger.
+* **Hedged reads.** Every GET (whole object or range) goes through the store's
+  :class:`~diloco_serverless.store.hedge.Hedger`: one that has not answered after the
+  :attr:`TransferPolicy.hedge_quantile` of recent answer times is sent again, and the first answer wins.
 * **Per-part retries.** A part that fails transiently (503 SlowDown, a dropped connection) is re-sent
   on its own, with the caller's :class:`~diloco_serverless.store.retry.RetryPolicy` backoff, within the
   operation's deadline; other errors abort the whole transfer.
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from diloco_serverless.store.errors import is_range_unsatisfiable, is_transient
+from diloco_serverless.store.hedge import HEDGE_QUANTILE, Hedger
 from diloco_serverless.store.retry import RetryPolicy
 
 __all__ = [
@@ -70,10 +74,14 @@ class TransferPolicy:
         part_size: bytes per part; objects up to this size are one request. At least 5 MiB (S3's
             smallest multipart part).
         concurrency: parts of one object in flight at once (>= 1; 1 still splits, sequentially).
+        hedge_quantile: a read (GET or listing) that has not answered after this quantile of the
+            store's recent answer times is sent a second time, and the first answer wins
+            (:mod:`~diloco_serverless.store.hedge`); ``None`` never sends one. Strictly between 0 and 1.
     """
 
     part_size: int = 16 * MiB
     concurrency: int = 8
+    hedge_quantile: float | None = HEDGE_QUANTILE
 
     def __post_init__(self) -> None:
         if not isinstance(self.part_size, int) or self.part_size < MIN_PART_SIZE:
@@ -81,11 +89,16 @@ class TransferPolicy:
                              f"smallest multipart part), got {self.part_size!r}")
         if not isinstance(self.concurrency, int) or self.concurrency < 1:
             raise ValueError(f"TransferPolicy.concurrency must be an int >= 1, got {self.concurrency!r}")
+        q = self.hedge_quantile
+        if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q < 1):
+            raise ValueError(f"TransferPolicy.hedge_quantile must be a number strictly between 0 and 1, or None "
+                             f"(no hedged reads), got {q!r}")
 
     @classmethod
-    def from_mb(cls, part_size_mb: float, concurrency: int) -> TransferPolicy:
-        """From a config's ``part_size_mb`` (MiB) and ``part_concurrency``."""
-        return cls(part_size=int(part_size_mb * MiB), concurrency=concurrency)
+    def from_mb(cls, part_size_mb: float, concurrency: int,
+                hedge_quantile: float | None = HEDGE_QUANTILE) -> TransferPolicy:
+        """From a config's ``part_size_mb`` (MiB), ``part_concurrency`` and ``hedge_quantile``."""
+        return cls(part_size=int(part_size_mb * MiB), concurrency=concurrency, hedge_quantile=hedge_quantile)
 
     def part_size_for(self, size: int) -> int:
         """The part size for an object of ``size`` bytes: :attr:`part_size`, enlarged so that no
@@ -113,6 +126,19 @@ async def _retrying(call: Callable[[], Awaitable[T]], retry: RetryPolicy, deadli
                 raise
             await asyncio.sleep(pause)
             n += 1
+
+
+def _release(resp: dict[str, Any]) -> None:
+    """Close an answer's body unread (the losing request of a hedged GET)."""
+    resp["Body"].close()
+
+
+def _get_object(fs: Any, hedger: Hedger | None, policy: TransferPolicy, **kwargs: Any) -> Awaitable[dict[str, Any]]:
+    """One GetObject (headers; the body is read by the caller), hedged when there is a ``hedger``."""
+    if hedger is None:
+        return fs._call_s3("get_object", **kwargs)  # type: ignore[no-any-return]
+    return hedger.first(lambda: fs._call_s3("get_object", **kwargs), quantile=policy.hedge_quantile,
+                        release=_release)
 
 
 async def _read_body(resp: dict[str, Any]) -> bytes:
@@ -145,17 +171,18 @@ def _is_precondition_failed(exc: BaseException) -> bool:
 
 
 async def s3_get(fs: Any, bucket: str, key: str, policy: TransferPolicy, retry: RetryPolicy, deadline: float,
-                 limit: int | None = None, too_large: Callable[[int], BaseException] | None = None) -> bytes:
+                 limit: int | None = None, too_large: Callable[[int], BaseException] | None = None,
+                 hedger: Hedger | None = None) -> bytes:
     """The object's bytes via ranged GETs (see the module docstring); never a HEAD.
 
     With ``limit``, the first range is at most ``limit + 1`` bytes and an object larger than ``limit``
-    raises ``too_large(size)`` before anything else is read.
+    raises ``too_large(size)`` before anything else is read. With ``hedger``, each GET is hedged.
     """
     if limit is not None and limit + 1 > policy.part_size:
-        return await _s3_get_bounded(fs, bucket, key, policy, retry, deadline, limit, too_large)
+        return await _s3_get_bounded(fs, bucket, key, policy, retry, deadline, limit, too_large, hedger)
     first = policy.part_size if limit is None else min(policy.part_size, limit + 1)
     try:
-        resp = await _retrying(lambda: fs._call_s3("get_object", Bucket=bucket, Key=key,
+        resp = await _retrying(lambda: _get_object(fs, hedger, policy, Bucket=bucket, Key=key,
                                                    Range=f"bytes=0-{max(first, 1) - 1}"), retry, deadline)
     except OSError as exc:
         if is_range_unsatisfiable(exc):
@@ -176,7 +203,8 @@ async def s3_get(fs: Any, bucket: str, key: str, policy: TransferPolicy, retry: 
         match = {"IfMatch": etag} if etag else {}
 
         async def call() -> bytes:
-            part = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}", **match)
+            part = await _get_object(fs, hedger, policy, Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}",
+                                     **match)
             return await _read_body(part)
 
         async with gate:
@@ -195,7 +223,8 @@ async def s3_get(fs: Any, bucket: str, key: str, policy: TransferPolicy, retry: 
 
 
 async def _s3_get_bounded(fs: Any, bucket: str, key: str, policy: TransferPolicy, retry: RetryPolicy,
-                          deadline: float, limit: int, too_large: Callable[[int], BaseException] | None) -> bytes:
+                          deadline: float, limit: int, too_large: Callable[[int], BaseException] | None,
+                          hedger: Hedger | None) -> bytes:
     """Every range of ``[0, limit]`` at once (see the module docstring); the object's bytes."""
     spans = policy.ranges(limit + 1)
     got: list[tuple[bytes, str | None, int | None]] = [(b"", None, None)] * len(spans)
@@ -204,7 +233,7 @@ async def _s3_get_bounded(fs: Any, bucket: str, key: str, policy: TransferPolicy
     async def one(i: int, lo: int, hi: int) -> None:
         async with gate:
             try:
-                resp = await _retrying(lambda: fs._call_s3("get_object", Bucket=bucket, Key=key,
+                resp = await _retrying(lambda: _get_object(fs, hedger, policy, Bucket=bucket, Key=key,
                                                            Range=f"bytes={lo}-{hi - 1}"), retry, deadline)
             except OSError as exc:
                 if is_range_unsatisfiable(exc):

@@ -17,7 +17,9 @@ Create-only per back end:
 
 Large S3 objects (over ``TransferPolicy.part_size``, 16 MiB by default) go up as parallel multipart
 uploads and come down as parallel ranged GETs; every S3 read is ranged and sizes itself from the
-first answer's ``Content-Range``, never a HEAD (:mod:`diloco_serverless.store._transfer`).
+first answer's ``Content-Range``, never a HEAD (:mod:`diloco_serverless.store._transfer`). Reads on
+S3 and GCS (GETs, listings) are hedged: one that is slower than most of the store's recent answers
+is sent again and the first answer wins (:mod:`diloco_serverless.store.hedge`).
 
 Failures: only transient errors are retried (:mod:`store_retry`, :mod:`store_errors`); every
 error is a :class:`StoreError` naming the operation, URL and key. An unreachable store raises
@@ -62,6 +64,7 @@ from diloco_serverless.store.errors import (
     is_transient,
     translate_error,
 )
+from diloco_serverless.store.hedge import Hedger
 from diloco_serverless.store.retry import RetryPolicy, call_with_retry
 
 __all__ = [
@@ -231,6 +234,7 @@ class ObjectStore:
         self.protocol, self._root, self.url = _split_url(url)
         self.retry = retry or RetryPolicy()
         self.transfer = transfer or TransferPolicy()
+        self.hedger = Hedger()  # answer times of this store's reads; shared by child(), with_retry(), ...
         options: dict[str, Any] = {}
         if self.protocol not in ("file", "memory"):
             options = _merge(_default_options(self.protocol, self.retry), storage_options_from_env())
@@ -310,18 +314,23 @@ class ObjectStore:
         return call_with_retry(attempt, policy=self.retry, url=self.url, key=key, op=op,
                                on_retry=on_retry, endpoint=self.endpoint)
 
-    def _fs_call(self, method: str, *args: Any, timeout_s: float, **kwargs: Any) -> Any:
-        """Call fs.<method>; on async file systems run ``_<method>`` bounded by ``timeout_s``."""
+    def _fs_call(self, method: str, *args: Any, timeout_s: float, hedged: bool = False, **kwargs: Any) -> Any:
+        """Call fs.<method>; on async file systems run ``_<method>`` bounded by ``timeout_s``, and with
+        ``hedged`` (reads only) through :attr:`hedger`."""
         if self._async:
             fs = self.fs
-            return sync(fs.loop, getattr(fs, "_" + method), *args,
-                        timeout=max(timeout_s, 0.001), **kwargs)
+            call = getattr(fs, "_" + method)
+            if hedged:
+                return sync(fs.loop, self.hedger.first, lambda: call(*args, **kwargs),
+                            quantile=self.transfer.hedge_quantile, timeout=max(timeout_s, 0.001))
+            return sync(fs.loop, call, *args, timeout=max(timeout_s, 0.001), **kwargs)
         return getattr(self.fs, method)(*args, **kwargs)
 
     def _s3_put(self, path: str, data: bytes, remaining: float, *, create_only: bool) -> None:
         """One PutObject, or a parallel multipart upload above the part size (S3 only)."""
         if len(data) <= self.transfer.part_size:
-            self._fs_call("pipe_file", path, data, timeout_s=remaining, **({"mode": "create"} if create_only else {}))
+            mode: dict[str, Any] = {"mode": "create"} if create_only else {}
+            self._fs_call("pipe_file", path, data, timeout_s=remaining, **mode)
             return
         fs = self.fs
         bucket, name, _ = fs.split_path(path)
@@ -333,7 +342,8 @@ class ObjectStore:
         fs = self.fs
         bucket, name, _ = fs.split_path(path)
         return bytes(sync(fs.loop, s3_get, fs, bucket, name, self.transfer, self.retry, time.monotonic() + remaining,
-                          limit, lambda size: self._too_large(key, limit or 0, size), timeout=max(remaining, 0.001)))
+                          limit, lambda size: self._too_large(key, limit or 0, size), self.hedger,
+                          timeout=max(remaining, 0.001)))
 
     # ----------------------------------------------------------------- writes
     def put(self, key: str, data: bytes) -> None:
@@ -424,10 +434,11 @@ class ObjectStore:
             elif self.protocol == "s3":
                 return self._s3_get(key, path, remaining, limit)
             elif limit is None:
-                return bytes(self._fs_call("cat_file", path, timeout_s=remaining))
+                return bytes(self._fs_call("cat_file", path, timeout_s=remaining, hedged=True))
             else:
                 try:
-                    data = bytes(self._fs_call("cat_file", path, start=0, end=limit + 1, timeout_s=remaining))
+                    data = bytes(self._fs_call("cat_file", path, start=0, end=limit + 1, timeout_s=remaining,
+                                               hedged=True))
                 except OSError as exc:
                     if not is_range_unsatisfiable(exc):
                         raise
@@ -534,7 +545,7 @@ class ObjectStore:
             async with gate:
                 try:
                     return await s3_get(fs, bucket, name, self.transfer, self.retry, deadline, limit,
-                                        lambda size: self._too_large(key, limit or 0, size))
+                                        lambda size: self._too_large(key, limit or 0, size), self.hedger)
                 except Exception as exc:
                     return exc
 
@@ -574,7 +585,7 @@ class ObjectStore:
             if hasattr(self.fs, "invalidate_cache"):
                 self.fs.invalidate_cache(path)
             try:
-                return list(self._fs_call("find", path, timeout_s=remaining))
+                return list(self._fs_call("find", path, timeout_s=remaining, hedged=True))
             except FileNotFoundError:
                 return []
 

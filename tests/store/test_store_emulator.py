@@ -172,3 +172,25 @@ def test_bad_arguments_are_refused_with_a_clear_error() -> None:
         StoreEmulator("s3://bucket", BASE)
     with pytest.raises(ValueError, match="scale must be a finite number > 0"):
         StoreEmulator("http://127.0.0.1:9", BASE, scale=0.0)
+
+
+def test_a_read_abandoned_during_the_first_byte_wait_is_not_served(s3_server: str, bucket: str) -> None:
+    import socket
+
+    slow = replace(BASE, first_byte_ms=400.0, first_byte_p99_ms=400.0)
+    body = b"z" * 300_000
+    _client(s3_server).put_object(Bucket=bucket, Key="a/b/obj", Body=body)
+    with StoreEmulator(s3_server, slow) as emu:
+        host, port = emu.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:  # a GET whose client gives up at once
+            sock.sendall(f"GET /{bucket}/a/b/obj HTTP/1.1\r\nHost: {host}\r\nUser-Agent: x rank-7\r\n\r\n".encode())
+        deadline = time.monotonic() + 10
+        while emu.abandoned == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s3 = _client(emu.url, "rank-8")  # a read that waits is served as before
+        assert s3.get_object(Bucket=bucket, Key="a/b/obj")["Body"].read() == body
+        events = emu.requests()
+        assert emu.abandoned == 1
+        assert [(e.client, e.status) for e in events] == [("rank-7", 499), ("rank-8", 200)]
+        assert emu.bytes_by_client().get("rank-7", (0, 0))[1] == 0  # nothing sent to the one that left
+        assert emu.bytes_by_client()["rank-8"][1] == len(body)

@@ -195,6 +195,10 @@ def test_run_config_sets_the_transfer_policy_of_the_run_store() -> None:
     assert transfer_policy(cfg) == TransferPolicy(part_size=32 * MiB, concurrency=4)
     with pytest.raises(Exception, match="store_part_size_mb"):
         RunConfig.load(None, ["store_part_size_mb=4"])
+    assert transfer_policy(RunConfig.load(None, ["store_hedge_quantile=0.9"])).hedge_quantile == 0.9
+    assert transfer_policy(RunConfig.load(None, ["store_hedge_quantile=none"])).hedge_quantile is None
+    with pytest.raises(Exception, match="store_hedge_quantile"):
+        RunConfig.load(None, ["store_hedge_quantile=1"])
     store = ObjectStore("memory://xfer-policy").with_transfer(transfer_policy(cfg))
     assert store.transfer.part_size == 32 * MiB and store.retry == RetryPolicy()
 

@@ -16,6 +16,7 @@ server stops by itself after ``lifetime_s`` and at context exit.
 from __future__ import annotations
 
 import http.client
+import select
 import socket
 import sys
 import threading
@@ -111,6 +112,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
             if pace is not None:
                 pace(len(chunk))
         return b"".join(parts)
+
+    def client_gone(self) -> bool:
+        """Whether the client has closed its connection (a cancelled request): the socket reads as
+        end-of-file or fails. Never blocks."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def send(self, status: int, headers: Iterable[tuple[str, str]], body: bytes, pace: Pace | None = None) -> None:
         """Answer ``status`` with ``headers`` (hop-by-hop ones left out) and ``body`` in pieces, each

@@ -27,6 +27,10 @@ Per :class:`~support.store_presets.StorePreset` it applies, to every request:
   the first ``prefix_depth`` components of the object key's folder (bucket excluded; a listing uses its
   ``prefix=`` parameter). A request over the limit gets S3's ``503 SlowDown`` XML (after the first-byte wait); the store
   does not act.
+* **Abandoned reads**: a GET or listing whose client closed the connection during the first-byte wait
+  (the losing request of a hedged read) is not served: nothing is read from the store or sent, as a
+  real server stops at a reset connection. It is recorded with status 499 and counted in ``abandoned``.
+  Writes are always carried out (a store may complete a PUT whose client left).
 
 ``scale`` speeds the store up (or, below 1, slows it down) uniformly: latencies are divided by it,
 bandwidths and request rates (the refill of the token buckets) multiplied; burst sizes stay.
@@ -187,6 +191,7 @@ class StoreEmulator(HttpProxy):
         self.requests_by_client: Counter[str] = Counter()
         self.requests_by_method: Counter[str] = Counter()
         self.slowdowns = 0
+        self.abandoned = 0  # reads whose client left before the first byte (recorded with status 499)
         self.events: deque[Request] = deque(maxlen=keep_events)
 
     def handle(self, handler: ProxyHandler) -> None:
@@ -205,6 +210,12 @@ class StoreEmulator(HttpProxy):
             handler.send(413, [("Content-Type", "text/plain")], b"request body too large for the emulator")
             return
         _sleep_until(time.monotonic() + self._first_byte_s())
+        if kind == "GET" and handler.client_gone():  # a cancelled read (a hedged GET's loser): nothing is sent
+            self.abandoned += 1
+            self._record(Request(handler.command, key, split.query, handler.headers.get("Range"), client, 499,
+                                 arrived, time.monotonic()))
+            handler.close_connection = True
+            return
         if not allowed:
             n = self._record(Request(handler.command, key, split.query, handler.headers.get("Range"), client, 503,
                                      arrived, time.monotonic()))
@@ -242,6 +253,7 @@ class StoreEmulator(HttpProxy):
             self.requests_by_client.clear()
             self.requests_by_method.clear()
             self.slowdowns = 0
+            self.abandoned = 0
             self.events.clear()
 
     def bytes_by_client(self) -> dict[str, tuple[int, int]]:
