@@ -69,42 +69,31 @@ class Hedger:
                     release: Callable[[T], None] | None = None) -> T:
         """``await make()``; if it has not answered after :meth:`delay_s`, ``make()`` again and return
         (or raise) whichever answers first. A transient failure of one waits for the other. The loser
-        is cancelled; an answer it still produced goes to ``release`` (e.g. to close a body unread)."""
+        is cancelled, and so is everything when the caller is; an answer a loser still produced goes
+        to ``release`` (e.g. to close a body unread)."""
         started = time.monotonic()
         self.reads += 1
         delay = self.delay_s(quantile)
-        primary: asyncio.Future[T] = asyncio.ensure_future(make())
-        if delay is None:
-            return await self._timed(primary, started)
-        done, _ = await asyncio.wait({primary}, timeout=delay)
-        if done:
-            return await self._timed(primary, started)
-        self.backups += 1
-        pending: set[asyncio.Future[T]] = {primary, asyncio.ensure_future(make())}
+        tasks: set[asyncio.Future[T]] = {asyncio.ensure_future(make())}
         try:
+            if delay is not None:
+                done, _ = await asyncio.wait(tasks, timeout=delay)
+                if not done:
+                    self.backups += 1
+                    tasks.add(asyncio.ensure_future(make()))
+            pending = set(tasks)
             while True:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 finished = [t for t in done if t.exception() is None]
                 failed = [t for t in done if t.exception() is not None]
-                if finished:
-                    winner, losers = finished[0], finished[1:]
-                elif pending and all(is_transient(t.exception() or Exception()) for t in failed):
+                if not finished and pending and all(is_transient(t.exception() or Exception()) for t in failed):
                     continue  # the other request may still answer
-                else:
-                    winner, losers = failed[0], []
-                if release is not None:
-                    for t in losers:
-                        release(t.result())
-                return await self._timed(winner, started)
-        finally:
-            await _cancel(pending, release)
-
-    async def _timed(self, task: asyncio.Future[T], started: float) -> T:
-        try:
-            return await task
-        finally:
-            if task.done() and not task.cancelled():
+                winner = finished[0] if finished else failed[0]
+                tasks.discard(winner)
                 self.observe(time.monotonic() - started)
+                return winner.result()
+        finally:
+            await _cancel(tasks, release)
 
 
 async def _cancel(tasks: set[asyncio.Future[T]], release: Callable[[T], None] | None) -> None:

@@ -229,3 +229,27 @@ def test_an_unhedged_read_is_one_call() -> None:
 
     assert asyncio.run(h.first(one, quantile=0.75)).name == "only"  # no samples yet: no backup
     assert calls == [1] and h.backups == 0 and h.reads == 1
+
+
+def test_a_cancelled_read_cancels_its_requests() -> None:
+    started: list[asyncio.Task[Answer]] = []
+
+    async def slow() -> Answer:
+        await asyncio.sleep(30)
+        return Answer("never")
+
+    def make() -> asyncio.Task[Answer]:
+        started.append(asyncio.ensure_future(slow()))
+        return started[-1]
+
+    async def caller(h: Hedger) -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(h.first(make, quantile=0.75), timeout=0.2)
+        await asyncio.sleep(0.05)  # (asyncio.run would cancel leftovers itself when it ends)
+        assert all(t.cancelled() for t in started)  # no request left running after the caller gave up
+
+    # unhedged (no samples yet); cancelled while waiting for the hedge delay (5 s); with a backup out
+    for hedger in (Hedger(), _learned(Hedger(), 5.0), _learned(Hedger())):
+        started.clear()
+        asyncio.run(caller(hedger))
+        assert len(started) == (1 if hedger.backups == 0 else 2)
