@@ -10,6 +10,9 @@ read in four sends a backup, and the slowest of 40 reads drops from the 97.5th p
 request to that of the faster of two.
 
 Only reads are hedged (a GET's headers, a listing): sending them twice changes nothing in the store.
+A store that sheds load must not get more requests: after any transient failure (503 SlowDown, a reset
+connection) a Hedger sends no backup for ``quiet_s`` (5 s, or ten hedge delays if longer); the failed
+read itself is retried by the caller's backoff as before.
 Writes are never hedged: a create-only PUT sent twice could lose to itself. :class:`Hedger` learns
 the store's answer times from the reads it makes (the first ``min_samples`` reads go unhedged). It
 records the time the caller waited, which keeps its quantile the store's own: a hedged read is slower
@@ -36,16 +39,20 @@ HEDGE_QUANTILE = 0.75
 _WINDOW = 128  # answer times a Hedger keeps (the newest)
 _MIN_SAMPLES = 16  # reads before the first backup: the store's latency must be known first
 _FLOOR_S = 0.005  # never hedge sooner than this (a local or in-memory endpoint)
+_QUIET_S = 5.0  # no backups for this long (or ten hedge delays) after a transient failure
 
 
 class Hedger:
     """The answer times of one store's reads, and the hedged call built on them (thread-safe)."""
 
-    def __init__(self, *, window: int = _WINDOW, min_samples: int = _MIN_SAMPLES, floor_s: float = _FLOOR_S) -> None:
+    def __init__(self, *, window: int = _WINDOW, min_samples: int = _MIN_SAMPLES, floor_s: float = _FLOOR_S,
+                 quiet_s: float = _QUIET_S) -> None:
         self._times: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()
         self.min_samples = min_samples
         self.floor_s = floor_s
+        self.quiet_s = quiet_s
+        self._quiet_until = 0.0  # time.monotonic() before which no backup is sent (after a transient failure)
         self.reads = 0  # hedgeable reads made
         self.backups = 0  # of which sent a backup request
 
@@ -55,15 +62,22 @@ class Hedger:
             self._times.append(seconds)
 
     def delay_s(self, quantile: float | None) -> float | None:
-        """Seconds after which a read gets its backup; ``None`` (no backup) when hedging is off or
-        fewer than ``min_samples`` answer times are known."""
+        """Seconds after which a read gets its backup; ``None`` (no backup) when hedging is off, fewer
+        than ``min_samples`` answer times are known, or a transient failure was seen less than
+        ``quiet_s`` ago."""
         if quantile is None:
             return None
         with self._lock:
-            if len(self._times) < self.min_samples:
+            if len(self._times) < self.min_samples or time.monotonic() < self._quiet_until:
                 return None
             ordered = sorted(self._times)
         return max(self.floor_s, ordered[min(len(ordered) - 1, int(quantile * len(ordered)))])
+
+    def _quiet(self, quantile: float | None) -> None:
+        """A transient failure: send no backups for a while (the store may be shedding load)."""
+        delay = self.delay_s(quantile) or 0.0
+        with self._lock:
+            self._quiet_until = max(self._quiet_until, time.monotonic() + max(self.quiet_s, 10 * delay))
 
     async def first(self, make: Callable[[], Awaitable[T]], *, quantile: float | None,
                     release: Callable[[T], None] | None = None) -> T:
@@ -86,6 +100,8 @@ class Hedger:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 finished = [t for t in done if t.exception() is None]
                 failed = [t for t in done if t.exception() is not None]
+                if any(is_transient(t.exception() or Exception()) for t in failed):
+                    self._quiet(quantile)
                 if not finished and pending and all(is_transient(t.exception() or Exception()) for t in failed):
                     continue  # the other request may still answer
                 winner = finished[0] if finished else failed[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -253,3 +254,17 @@ def test_a_cancelled_read_cancels_its_requests() -> None:
         started.clear()
         asyncio.run(caller(hedger))
         assert len(started) == (1 if hedger.backups == 0 else 2)
+
+
+def test_a_transient_failure_pauses_backups() -> None:
+    h = _learned(Hedger(quiet_s=0.3))
+    assert h.delay_s(0.75) is not None
+    with pytest.raises(ConnectionResetError):  # e.g. a 503 SlowDown: the store is shedding load
+        asyncio.run(h.first(_scripted((0.0, ConnectionResetError("slow down"))), quantile=0.75))
+    assert h.delay_s(0.75) is None  # no backups for a while: the caller's backoff alone retries
+    slow, fast = Answer("slow"), Answer("fast")
+    got = asyncio.run(h.first(_scripted((0.05, slow), (0.0, fast)), quantile=0.75))
+    assert got is slow and h.backups == 0  # quiet: waited for the one request
+    time.sleep(0.35)
+    assert h.delay_s(0.75) is not None  # and back after quiet_s
+    assert asyncio.run(h.first(_scripted((0.5, Answer("late")), (0.0, fast)), quantile=0.75)) is fast
