@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support.moto_s3 import free_port, moto_server
+from support.moto_s3 import moto_server
 
 # gcsfs reads this at import time; its experimental zonal/HNS path calls APIs the emulator lacks.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
@@ -106,10 +106,17 @@ def s3_env(s3_server: str) -> dict[str, str]:
 # --------------------------------------------------------------------------- GCS (emulator)
 @dataclass
 class GcsRecorder:
-    """What the emulator received: one dict per request {method, path, query}."""
+    """What the emulator received: one dict per request {method, path, query, range}.
+
+    ``enforce_generation_match`` makes the emulator answer preconditions as GCS does (it ignores them
+    itself): a create-only upload of an existing object and a download whose ``ifGenerationMatch`` is
+    not the object's generation get 412, and downloads carry ``x-goog-generation``.
+    ``before_download(request, storage)``, when set, runs before each download is served (a test
+    replaces the object there)."""
 
     requests: list[dict[str, Any]] = field(default_factory=list)
     enforce_generation_match: bool = False
+    before_download: Callable[[Any, Any], None] | None = None
 
     def uploads(self) -> list[dict[str, Any]]:
         """The object-upload requests (POST .../upload/...)."""
@@ -120,20 +127,37 @@ _GCS_RECORDER = GcsRecorder()
 
 
 def _instrument_gcs_emulator() -> None:
-    """Record every request; optionally answer ``ifGenerationMatch=0`` uploads of existing
-    objects with 412, as GCS does (the emulator itself ignores the precondition)."""
+    """Record every request; optionally answer preconditions as GCS does (:class:`GcsRecorder`)."""
     from gcp_storage_emulator import server as gserver
     from gcp_storage_emulator.exceptions import NotFound
     from gcp_storage_emulator.handlers import objects
 
     if getattr(gserver.Router.handle, "_diloco", False):
         return
-    handle, multipart = gserver.Router.handle, objects._multipart_upload
+    handle, multipart, download = gserver.Router.handle, objects._multipart_upload, objects.download
 
     def recorded_handle(self: Any, method: str) -> Any:
         req = gserver.Request(self._request_handler, method)
-        _GCS_RECORDER.requests.append({"method": method, "path": req.path, "query": req.query})
+        _GCS_RECORDER.requests.append({"method": method, "path": req.path, "query": req.query,
+                                       "range": req.get_header("range", None)})
         return handle(self, method)
+
+    def checked_download(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        if _GCS_RECORDER.before_download is not None:
+            _GCS_RECORDER.before_download(request, storage)
+        if _GCS_RECORDER.enforce_generation_match:
+            try:
+                obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+            except NotFound:
+                obj = None
+            if obj is not None:
+                want = request.query.get("ifGenerationMatch", [None])[0]
+                if want is not None and want != str(obj["generation"]):
+                    response.status = gserver.HTTPStatus.PRECONDITION_FAILED
+                    response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+                    return None
+                response["x-goog-generation"] = str(obj["generation"])
+        return download(request, response, storage, *args, **kwargs)
 
     def checked_multipart(request: Any, response: Any, storage: Any) -> Any:
         if _GCS_RECORDER.enforce_generation_match and request.query.get("ifGenerationMatch") == ["0"]:
@@ -151,21 +175,21 @@ def _instrument_gcs_emulator() -> None:
     recorded_handle._diloco = True  # type: ignore[attr-defined]
     gserver.Router.handle = recorded_handle  # type: ignore[method-assign]
     objects._multipart_upload = checked_multipart
+    for _, handlers in gserver.HANDLERS:  # the routing table holds the handler functions themselves
+        if handlers.get(gserver.GET) is download:
+            handlers[gserver.GET] = checked_download
 
 
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[str]:
     """A gcp-storage-emulator (in memory) on 127.0.0.1 (session-wide). Yields its endpoint."""
     pytest.importorskip("gcsfs")
-    gserver = pytest.importorskip("gcp_storage_emulator.server")
+    pytest.importorskip("gcp_storage_emulator.server")
+    from support.gcs_emulator import gcs_emulator
+
     _instrument_gcs_emulator()
-    port = free_port()
-    server = gserver.create_server("127.0.0.1", port, in_memory=True)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+    with gcs_emulator() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
@@ -174,6 +198,7 @@ def gcs_requests(gcs_server: str) -> Iterator[GcsRecorder]:
     _GCS_RECORDER.requests.clear()
     yield _GCS_RECORDER
     _GCS_RECORDER.enforce_generation_match = False
+    _GCS_RECORDER.before_download = None
 
 
 @pytest.fixture

@@ -566,7 +566,7 @@ class ObjectStoreAllReduce:
         assert self._io is not None
         split = split_for(
             tensor.numel(), self.world_size, self.protocol, lambda n: max_object_bytes(self.codec, n),
-            self._io.store.multipart_above,
+            self._io.store.whole_object_max,
         )
         return ReadyMarker(
             self.run_id,

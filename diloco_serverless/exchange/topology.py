@@ -11,7 +11,8 @@ before anything is reduced (docs/exchange.md, "Hierarchical exchange").
   trips than flat, for ((N-1)(N-2) - 1) P / N more bytes per replica.
 - ``flat``: S = N shards, reduce-scatter + all-gather (O(N) requests per replica, ~the byte bound).
   Direct and flat cut each replica's share into :func:`split_for` pieces when one object would
-  exceed the store's multipart part size (one round trip instead of a multipart upload's three).
+  exceed the store's part size (S3: one round trip instead of a multipart upload's three; GCS: many
+  connections instead of one upload's single stream).
 - ``hierarchical``: a tree of L levels (:func:`levels`: 2 below :data:`THREE_LEVELS_FROM` replicas,
   3 from there) with branching ``c = ceil(N^(1/L))`` (:func:`branching`); S = c shards. Groups of c
   consecutive ranks sum each shard (a ``partial``); with 3 levels, groups of c groups sum those
@@ -124,10 +125,11 @@ def split_for(numel: int, world_size: int, protocol: str, object_bytes: Callable
     ``part_size``.
 
     A store that uploads a large object in parts (S3 multipart) pays two extra round trips for it
-    (create, then complete) on top of the parts; the exchange already sends its objects concurrently,
-    so cutting the tensor into more, part-sized shards reaches the same bandwidth in one round trip
-    (docs/exchange.md, "Round trips"). ``object_bytes(n)`` is the stored size of a shard of ``n``
-    values; ``part_size`` ``None`` (a store that sends every object whole) means no split.
+    (create, then complete) on top of the parts, and one that uploads it whole (GCS) sends it over one
+    connection; the exchange already sends its objects concurrently, so cutting the tensor into more,
+    part-sized shards reaches the NIC's bandwidth in one round trip (docs/exchange.md, "Round trips").
+    ``object_bytes(n)`` is the stored size of a shard of ``n`` values; ``part_size`` ``None`` (a store
+    with no per-request limit: local, memory) means no split.
     Hierarchical rounds never split (their shards are the tree's). Every replica computes the same
     answer from the same run config and tensor size, and writes it in its ready marker.
     """

@@ -1,4 +1,5 @@
-"""Large objects on S3 as parallel parts: multipart PUTs and ranged GETs, with no HEAD.
+"""Large objects as parallel parts: S3 multipart PUTs, and ranged GETs with no HEAD (S3; GCS through
+:mod:`diloco_serverless.store._gcs`, which supplies its own :data:`RangeRead`).
 
 One request moves ~50-100 MB/s on a real store, far below a replica's NIC, so an object larger than
 :attr:`TransferPolicy.part_size` goes up as an S3 multipart upload whose parts are sent
@@ -36,7 +37,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from diloco_serverless.store.errors import is_range_unsatisfiable, is_transient
 from diloco_serverless.store.hedge import HEDGE_QUANTILE, Hedger
@@ -46,8 +47,13 @@ __all__ = [
     "MIN_PART_SIZE",
     "MAX_PARTS",
     "object_changed",
+    "RangeAnswer",
+    "RangeRead",
     "TransferPolicy",
-    "s3_get",
+    "VersionChanged",
+    "ranged_get",
+    "range_total",
+    "s3_reader",
     "s3_put_parts",
 ]
 
@@ -60,10 +66,10 @@ MAX_PARTS = 10_000
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 
 
-def object_changed(bucket: str, key: str, detail: str) -> ConnectionError:
-    """The error of a read whose object was replaced between two of its ranged GETs: a plain
-    ``ConnectionError``, i.e. transient, so the operation's retry reads the object again from byte 0."""
-    return ConnectionError(f"s3://{bucket}/{key} changed while it was read in parts ({detail}); reading it again")
+def object_changed(where: str, detail: str) -> ConnectionError:
+    """The error of a read whose object (``where``, its URL) was replaced between two of its ranged GETs:
+    a plain ``ConnectionError``, i.e. transient, so the operation's retry reads it again from byte 0."""
+    return ConnectionError(f"{where} changed while it was read in parts ({detail}); reading it again")
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,25 @@ async def _retrying(call: Callable[[], Awaitable[T]], retry: RetryPolicy, deadli
             n += 1
 
 
+class RangeAnswer(NamedTuple):
+    """One ranged GET's answer: its bytes, the object's size (``None`` when the answer does not say),
+    and the version it came from (an S3 ETag, a GCS generation; ``None`` if unknown)."""
+
+    data: bytes
+    total: int | None
+    version: str | None
+
+
+#: ``read(lo, hi, version)``: bytes ``[lo, hi)`` of one object, only of ``version`` when given (else
+#: :class:`VersionChanged`); an empty object's or a past-the-end range answers 416 (an ``OSError``).
+RangeRead = Callable[[int, int, str | None], Awaitable[RangeAnswer]]
+
+
+class VersionChanged(Exception):
+    """A ranged GET pinned to a version found another one (412): not transient by itself; the read
+    turns it into :func:`object_changed`, which the operation's retry restarts from byte 0."""
+
+
 def _release(resp: dict[str, Any]) -> None:
     """Close an answer's body unread (the losing request of a hedged GET)."""
     resp["Body"].close()
@@ -149,12 +174,12 @@ async def _read_body(resp: dict[str, Any]) -> bytes:
         body.close()
 
 
-def _total_size(resp: dict[str, Any], got: int) -> int:
-    """Object size from a ranged answer's ``Content-Range``; a server that ignored the range (200,
-    whole object) sent everything: ``got``."""
-    m = _CONTENT_RANGE.match(str(resp.get("ContentRange") or ""))
+def range_total(content_range: object, got: int, lo: int) -> int | None:
+    """Object size from a ranged answer's ``Content-Range``. Without one, a server that ignored the
+    range sent everything from byte 0 (``got`` bytes); from elsewhere, the size is unknown (``None``)."""
+    m = _CONTENT_RANGE.match(str(content_range or ""))
     if m is None or m.group(3) == "*":
-        return got
+        return got if lo == 0 else None
     return int(m.group(3))
 
 
@@ -170,90 +195,91 @@ def _is_precondition_failed(exc: BaseException) -> bool:
     return False
 
 
-async def s3_get(fs: Any, bucket: str, key: str, policy: TransferPolicy, retry: RetryPolicy, deadline: float,
-                 limit: int | None = None, too_large: Callable[[int], BaseException] | None = None,
-                 hedger: Hedger | None = None) -> bytes:
-    """The object's bytes via ranged GETs (see the module docstring); never a HEAD.
+def s3_reader(fs: Any, bucket: str, key: str, policy: TransferPolicy, hedger: Hedger | None) -> RangeRead:
+    """Ranged GetObjects of ``s3://bucket/key`` (hedged with ``hedger``), pinned by ``If-Match``."""
+
+    async def read(lo: int, hi: int, version: str | None) -> RangeAnswer:
+        match = {"IfMatch": version} if version else {}
+        try:
+            resp = await _get_object(fs, hedger, policy, Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}",
+                                     **match)
+        except OSError as exc:
+            if version and _is_precondition_failed(exc):
+                raise VersionChanged("its ETag no longer matches") from exc
+            raise
+        data = await _read_body(resp)
+        return RangeAnswer(data, range_total(resp.get("ContentRange"), len(data), lo), resp.get("ETag"))
+
+    return read
+
+
+async def ranged_get(read: RangeRead, where: str, policy: TransferPolicy, retry: RetryPolicy, deadline: float,
+                     limit: int | None = None, too_large: Callable[[int], BaseException] | None = None) -> bytes:
+    """An object's bytes via ranged GETs through ``read`` (see the module docstring); never a HEAD.
 
     With ``limit``, the first range is at most ``limit + 1`` bytes and an object larger than ``limit``
-    raises ``too_large(size)`` before anything else is read. With ``hedger``, each GET is hedged.
+    raises ``too_large(size)`` before anything else is read. ``where`` names the object in errors.
     """
     if limit is not None and limit + 1 > policy.part_size:
-        return await _s3_get_bounded(fs, bucket, key, policy, retry, deadline, limit, too_large, hedger)
+        return await _get_bounded(read, where, policy, retry, deadline, limit, too_large)
     first = policy.part_size if limit is None else min(policy.part_size, limit + 1)
     try:
-        resp = await _retrying(lambda: _get_object(fs, hedger, policy, Bucket=bucket, Key=key,
-                                                   Range=f"bytes=0-{max(first, 1) - 1}"), retry, deadline)
+        answer = await _retrying(lambda: read(0, max(first, 1), None), retry, deadline)
     except OSError as exc:
         if is_range_unsatisfiable(exc):
-            return b""  # S3's answer to a range of an empty object
+            return b""  # the store's answer to a range of an empty object
         raise
-    head = await _read_body(resp)
-    total = _total_size(resp, len(head))
+    head = answer.data
+    total = len(head) if answer.total is None else answer.total
     if limit is not None and total > limit:
         raise (too_large(total) if too_large is not None else ValueError(f"object larger than {limit} bytes"))
     if total <= len(head):
         return head
-    etag = resp.get("ETag")
     out = bytearray(total)
     out[:len(head)] = head
     gate = asyncio.Semaphore(policy.concurrency)
 
     async def one(lo: int, hi: int) -> None:
-        match = {"IfMatch": etag} if etag else {}
-
-        async def call() -> bytes:
-            part = await _get_object(fs, hedger, policy, Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}",
-                                     **match)
-            return await _read_body(part)
-
         async with gate:
             try:
-                data = await _retrying(call, retry, deadline)
-            except OSError as exc:
-                if _is_precondition_failed(exc):
-                    raise object_changed(bucket, key, "its ETag no longer matches") from exc
-                raise
-        if len(data) != hi - lo:
-            raise object_changed(bucket, key, f"range {lo}-{hi - 1} returned {len(data)} bytes")
-        out[lo:hi] = data
+                part = await _retrying(lambda: read(lo, hi, answer.version), retry, deadline)
+            except VersionChanged as exc:
+                raise object_changed(where, str(exc)) from exc
+        if len(part.data) != hi - lo or part.total not in (None, total):
+            raise object_changed(where, f"range {lo}-{hi - 1} returned {len(part.data)} bytes of {part.total}")
+        out[lo:hi] = part.data
 
     await _gather_all([one(lo, hi) for lo, hi in policy.ranges(total, start=len(head))])
     return bytes(out)
 
 
-async def _s3_get_bounded(fs: Any, bucket: str, key: str, policy: TransferPolicy, retry: RetryPolicy,
-                          deadline: float, limit: int, too_large: Callable[[int], BaseException] | None,
-                          hedger: Hedger | None) -> bytes:
+async def _get_bounded(read: RangeRead, where: str, policy: TransferPolicy, retry: RetryPolicy, deadline: float,
+                       limit: int, too_large: Callable[[int], BaseException] | None) -> bytes:
     """Every range of ``[0, limit]`` at once (see the module docstring); the object's bytes."""
     spans = policy.ranges(limit + 1)
-    got: list[tuple[bytes, str | None, int | None]] = [(b"", None, None)] * len(spans)
+    got: list[RangeAnswer] = [RangeAnswer(b"", None, None)] * len(spans)
     gate = asyncio.Semaphore(policy.concurrency)
 
     async def one(i: int, lo: int, hi: int) -> None:
         async with gate:
             try:
-                resp = await _retrying(lambda: _get_object(fs, hedger, policy, Bucket=bucket, Key=key,
-                                                           Range=f"bytes={lo}-{hi - 1}"), retry, deadline)
+                got[i] = await _retrying(lambda: read(lo, hi, None), retry, deadline)
             except OSError as exc:
                 if is_range_unsatisfiable(exc):
                     return  # past the end (or an empty object)
                 raise
-            data = await _read_body(resp)
-        ranged = _CONTENT_RANGE.match(str(resp.get("ContentRange") or ""))
-        got[i] = (data, resp.get("ETag"), _total_size(resp, len(data)) if ranged or lo == 0 else None)
 
     await _gather_all([one(i, lo, hi) for i, (lo, hi) in enumerate(spans)])
-    etags = {etag for _, etag, total in got if total is not None}
-    totals = {total for _, _, total in got if total is not None}
-    if len(etags) > 1 or len(totals) > 1:
-        raise object_changed(bucket, key, "its parts came from different versions")
+    versions = {a.version for a in got if a.total is not None}
+    totals: set[int] = {a.total for a in got if a.total is not None}
+    if len(versions) > 1 or len(totals) > 1:
+        raise object_changed(where, "its parts came from different versions")
     total = totals.pop() if totals else 0
     if total > limit:
         raise (too_large(total) if too_large is not None else ValueError(f"object larger than {limit} bytes"))
-    data = b"".join(part for part, _, _ in got)[:total]
+    data = b"".join(a.data for a in got)[:total]
     if len(data) != total:
-        raise object_changed(bucket, key, f"{len(data)} of {total} bytes came back")
+        raise object_changed(where, f"{len(data)} of {total} bytes came back")
     return data
 
 

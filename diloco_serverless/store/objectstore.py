@@ -16,8 +16,9 @@ Create-only per back end:
 * Memory: check-and-write under a process-wide lock.
 
 Large S3 objects (over ``TransferPolicy.part_size``, 16 MiB by default) go up as parallel multipart
-uploads and come down as parallel ranged GETs; every S3 read is ranged and sizes itself from the
-first answer's ``Content-Range``, never a HEAD (:mod:`diloco_serverless.store._transfer`). Reads on
+uploads; large S3 and GCS objects come down as parallel ranged GETs. Every S3 and GCS read is ranged
+and sizes itself from the first answer's ``Content-Range``, never a HEAD or metadata request
+(:mod:`diloco_serverless.store._transfer`, :mod:`diloco_serverless.store._gcs`). Reads on
 S3 and GCS (GETs, listings) are hedged: one that is slower than most of the store's recent answers
 is sent again and the first answer wins (:mod:`diloco_serverless.store.hedge`).
 
@@ -53,7 +54,8 @@ from fsspec.asyn import sync
 
 from diloco_serverless.errors import StoreError
 from diloco_serverless.store import _local as store_local
-from diloco_serverless.store._transfer import TransferPolicy, s3_get, s3_put_parts
+from diloco_serverless.store._gcs import gcs_reader
+from diloco_serverless.store._transfer import RangeRead, TransferPolicy, ranged_get, s3_put_parts, s3_reader
 from diloco_serverless.store.credentials import gcs_key_from_env
 from diloco_serverless.store.errors import (
     ObjectNotFound,
@@ -88,6 +90,8 @@ ENV_STORAGE_OPTIONS = "DILOCO_STORAGE_OPTIONS"
 _ALIASES = {"gcs": "gs", "s3a": "s3", "local": "file"}
 _MEMORY_LOCK = threading.Lock()
 _MAX_THREADS = 16
+#: Back ends whose reads are ranged GETs (parallel above the part size, hedged): store/_transfer.py, store/_gcs.py
+_RANGED = ("s3", "gs")
 _S3_POOL_CONNECTIONS = 64
 
 
@@ -260,10 +264,12 @@ class ObjectStore:
 
     # ----------------------------------------------------------------- structure
     @property
-    def multipart_above(self) -> int | None:
-        """Object size (bytes) above which a PUT goes up in parts (S3 multipart, two extra round
-        trips); ``None`` for back ends that send every object whole."""
-        return self.transfer.part_size if self.protocol == "s3" else None
+    def whole_object_max(self) -> int | None:
+        """Largest object (bytes) this back end writes at full speed as one request: the part size on S3
+        (a larger PUT is a multipart upload, two extra round trips) and on GCS (a larger upload is one
+        connection's stream, ~50-100 MB/s); ``None`` for back ends with no such limit (local, memory).
+        A writer that can choose its object sizes (the exchange) stays at or below it."""
+        return self.transfer.part_size if self.protocol in _RANGED else None
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
@@ -337,13 +343,20 @@ class ObjectStore:
         sync(fs.loop, s3_put_parts, fs, bucket, name, data, self.transfer, self.retry, time.monotonic() + remaining,
              create_only=create_only, timeout=max(remaining, 0.001))
 
-    def _s3_get(self, key: str, path: str, remaining: float, limit: int | None) -> bytes:
-        """Ranged GETs, in parallel above the part size; the size comes from the first answer (no HEAD)."""
+    def _reader(self, path: str) -> RangeRead:
+        """Ranged GETs of ``path`` on S3 or GCS, hedged with :attr:`hedger`."""
+        if self.protocol == "gs":
+            return gcs_reader(self.fs, path, self.transfer, self.hedger)
+        bucket, name, _ = self.fs.split_path(path)
+        return s3_reader(self.fs, bucket, name, self.transfer, self.hedger)
+
+    def _ranged_get(self, key: str, path: str, remaining: float, limit: int | None) -> bytes:
+        """Ranged GETs (S3, GCS), in parallel above the part size; the size comes from the first
+        answer (no HEAD, no metadata request)."""
         fs = self.fs
-        bucket, name, _ = fs.split_path(path)
-        return bytes(sync(fs.loop, s3_get, fs, bucket, name, self.transfer, self.retry, time.monotonic() + remaining,
-                          limit, lambda size: self._too_large(key, limit or 0, size), self.hedger,
-                          timeout=max(remaining, 0.001)))
+        return bytes(sync(fs.loop, ranged_get, self._reader(path), f"{self.protocol}://{path}", self.transfer,
+                          self.retry, time.monotonic() + remaining, limit,
+                          lambda size: self._too_large(key, limit or 0, size), timeout=max(remaining, 0.001)))
 
     # ----------------------------------------------------------------- writes
     def put(self, key: str, data: bytes) -> None:
@@ -431,14 +444,13 @@ class ObjectStore:
                     if size > limit:
                         raise self._too_large(key, limit, size)
                     data = f.read(limit + 1)
-            elif self.protocol == "s3":
-                return self._s3_get(key, path, remaining, limit)
+            elif self.protocol in _RANGED:
+                return self._ranged_get(key, path, remaining, limit)
             elif limit is None:
-                return bytes(self._fs_call("cat_file", path, timeout_s=remaining, hedged=True))
+                return bytes(self._fs_call("cat_file", path, timeout_s=remaining))
             else:
                 try:
-                    data = bytes(self._fs_call("cat_file", path, start=0, end=limit + 1, timeout_s=remaining,
-                                               hedged=True))
+                    data = bytes(self._fs_call("cat_file", path, start=0, end=limit + 1, timeout_s=remaining))
                 except OSError as exc:
                     if not is_range_unsatisfiable(exc):
                         raise
@@ -504,8 +516,8 @@ class ObjectStore:
             todo = [p for p, k in by_path.items() if k not in found and k not in missing]
             if not todo:
                 return
-            if self.protocol == "s3":
-                out = sync(self.fs.loop, self._s3_get_all, todo, limit, time.monotonic() + remaining,
+            if self.protocol in _RANGED:
+                out = sync(self.fs.loop, self._ranged_get_all, todo, limit, time.monotonic() + remaining,
                            timeout=max(remaining, 0.001))
             else:
                 ranged: dict[str, Any] = {} if limit is None else {"start": 0, "end": limit + 1}
@@ -534,18 +546,18 @@ class ObjectStore:
         self._run("get_many", label, attempt)
         return found, missing
 
-    async def _s3_get_all(self, paths: list[str], limit: int | None, deadline: float) -> dict[str, Any]:
-        """{path: bytes or the exception} for ranged GETs of ``paths``, at most ``_MAX_THREADS``
-        objects at a time (each with its own parallel parts)."""
-        fs, gate = self.fs, asyncio.Semaphore(_MAX_THREADS)
+    async def _ranged_get_all(self, paths: list[str], limit: int | None, deadline: float) -> dict[str, Any]:
+        """{path: bytes or the exception} for ranged GETs of ``paths`` (S3, GCS), at most
+        ``_MAX_THREADS`` objects at a time (each with its own parallel parts)."""
+        gate = asyncio.Semaphore(_MAX_THREADS)
 
         async def one(path: str) -> Any:
-            bucket, name, _ = fs.split_path(path)
             key = self._rel(path) if path.startswith(self._root) else path
             async with gate:
                 try:
-                    return await s3_get(fs, bucket, name, self.transfer, self.retry, deadline, limit,
-                                        lambda size: self._too_large(key, limit or 0, size), self.hedger)
+                    return await ranged_get(self._reader(path), f"{self.protocol}://{path}", self.transfer,
+                                            self.retry, deadline, limit,
+                                            lambda size: self._too_large(key, limit or 0, size))
                 except Exception as exc:
                     return exc
 

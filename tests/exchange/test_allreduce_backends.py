@@ -12,6 +12,7 @@ from diloco_serverless.errors import StoreError
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.errors import CorruptObjectError
 from diloco_serverless.run.layout import contrib_key
+from diloco_serverless.store._transfer import MIN_PART_SIZE, TransferPolicy
 from diloco_serverless.store.objectstore import ObjectStore
 from support.allreduce import FAST, assert_identical, randn, run_replicas
 
@@ -36,6 +37,26 @@ def test_mean_over_gcs_emulator(gcs_store_url: str, gcs_storage_options: dict[st
     torch.testing.assert_close(outs[0][0], (xs[0] + xs[1]) / 2, atol=1e-6, rtol=0)
     creates = [r for r in gcs_requests.uploads() if r["query"].get("ifGenerationMatch") == ["0"]]
     assert len(creates) >= 3  # quorum.json + reduced/0000 + reduced/0001 are create-only
+
+
+def test_the_exchange_cuts_its_gcs_objects_to_the_part_size(
+        gcs_store_url: str, gcs_storage_options: dict[str, Any], gcs_requests: Any) -> None:
+    """One GCS upload is one connection's stream: above the part size the exchange cuts the tensor into
+    more objects, sent concurrently, as it does on S3 (topology.split_for)."""
+    gcs_requests.enforce_generation_match = True
+    n = 3 * (MIN_PART_SIZE - (128 << 10)) // 4  # fp32: a flat shard of N = 2 is 7.3 MiB, over the 5 MiB part
+    xs = {r: torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(2)}
+    outs, errors, _ = run_replicas(gcs_store_url, xs, 2, storage_options=gcs_storage_options, topology="flat",
+                                   transfer=TransferPolicy(part_size=MIN_PART_SIZE), keep_rounds=None)
+    assert not errors
+    assert_identical(outs)
+    assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2)
+    fs = ObjectStore(gcs_store_url, gcs_storage_options).fs
+    sizes = {p: fs.info(p)["size"] for p in fs.find(gcs_store_url.removeprefix("gs://") + "/t/rounds")
+             if "/contrib/" in p or "/reduced/" in p}
+    assert sizes and max(sizes.values()) <= MIN_PART_SIZE
+    assert len([p for p in sizes if "/contrib/" in p]) == 2 * 2 * 2  # 2 ranks x 2 shards x split 2
+    assert not [r for r in gcs_requests.uploads() if r["query"].get("uploadType") == ["resumable"]]
 
 
 def test_truncated_contribution_on_s3_is_refused(s3_store_url: str, s3_storage_options: dict[str, Any]) -> None:
