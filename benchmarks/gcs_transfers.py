@@ -9,12 +9,14 @@ Run (from the repo root, venv active):
 
 Two arms, interleaved, on the same emulated store:
 
-* ``whole``: ``TransferPolicy(part_size=4 GiB)``: every object is one GET, and the exchange never cuts
-  its objects (one upload per share), i.e. GCS as gcsfs moves it: one connection's stream per object.
-* ``parts``: the default ``TransferPolicy`` (16 MiB parts, 8 at a time): ranged GETs in parallel, sized
-  from the first answer, and exchange objects cut to the part size (``topology.split_for``).
+* ``whole``: ``TransferPolicy(part_size=4 GiB)``: every object is one upload and one GET, and the
+  exchange never cuts its objects (one upload per share), i.e. GCS as gcsfs moves it: one connection's
+  stream per object.
+* ``parts``: the default ``TransferPolicy`` (16 MiB parts, 8 at a time): composite uploads of parallel
+  parts, ranged GETs in parallel sized from the first answer, and exchange objects cut to the part
+  size (``topology.split_for``).
 
-Measured: the wall time of ``ObjectStore.get`` of one object per size, and of one exchange round
+Measured: the wall time of ``ObjectStore.put`` and ``ObjectStore.get`` of one object per size, and of one exchange round
 (``ObjectStoreAllReduce``, N = 2 replicas as threads, ``--exchange-mb`` of fp32, topology ``auto``,
 i.e. direct). The emulator applies the ``gcs-standard`` preset (tests/support/store_presets.py: first
 byte 40 / 200 ms median / p99, 100 MB/s per connection, 1,250 MB/s per client); ``--scale 0.1``
@@ -93,13 +95,17 @@ def run(scale: float, sizes: list[int], repeats: int, exchange_mb: int, seed: in
         bucket = f"gcs-bench-{uuid.uuid4().hex[:8]}"
         gcsfs.GCSFileSystem(endpoint_url=upstream, token="anon", skip_instance_cache=True).mkdir(bucket)
         stores = {arm: ObjectStore(f"gs://{bucket}/objects", options, transfer=t) for arm, t in ARMS.items()}
+        payload = {mb: os.urandom(mb * MiB) for mb in sizes}
         for mb in sizes:
-            stores["parts"].put(f"obj-{mb}", os.urandom(mb * MiB))
+            stores["parts"].put(f"obj-{mb}", payload[mb])
             stores["parts"].get(f"obj-{mb}")  # warm-up: connections open, the hedger learns
         times: dict[tuple[str, str], list[float]] = {}
         for i in range(repeats):
             for arm, store in stores.items():
                 for mb in sizes:
+                    t0 = time.perf_counter()
+                    store.put(f"put-{arm}-{mb}-{i}", payload[mb])
+                    times.setdefault((f"PUT {mb} MB", arm), []).append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     got = store.get(f"obj-{mb}")
                     times.setdefault((f"GET {mb} MB", arm), []).append(time.perf_counter() - t0)

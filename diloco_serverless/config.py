@@ -658,12 +658,12 @@ class RunConfig(_Section):
         ge=5.0,
         le=5120.0,
         allow_inf_nan=False,
-        description="S3 objects larger than this (MiB) go up as a multipart upload; S3 and GCS objects larger "
-        "than this come down as ranged GETs of this size, and the exchange cuts its objects to at most this size "
-        "on both; smaller ones are one request. At least 5 (S3's smallest part).",
+        description="S3 and GCS objects larger than this (MiB) go up in parts (S3 multipart, GCS composite) and "
+        "come down as ranged GETs of this size, and the exchange cuts its objects to at most this size; smaller "
+        "ones are one request. At least 5 (S3's smallest part).",
     )
     store_part_concurrency: int = Field(
-        STORE_PART_CONCURRENCY, ge=1, le=64, description="Parts of one large object in flight at once (S3; GCS reads)."
+        STORE_PART_CONCURRENCY, ge=1, le=64, description="Parts of one large object in flight at once (S3, GCS)."
     )
     store_hedge_quantile: float | None = Field(
         STORE_HEDGE_QUANTILE,

@@ -109,8 +109,9 @@ class GcsRecorder:
     """What the emulator received: one dict per request {method, path, query, range}.
 
     ``enforce_generation_match`` makes the emulator answer preconditions as GCS does (it ignores them
-    itself): a create-only upload of an existing object and a download whose ``ifGenerationMatch`` is
-    not the object's generation get 412, and downloads carry ``x-goog-generation``.
+    itself): a create-only upload or compose onto an existing object and a download whose
+    ``ifGenerationMatch`` is not the object's generation get 412, and downloads carry
+    ``x-goog-generation``.
     ``before_download(request, storage)``, when set, runs before each download is served (a test
     replaces the object there)."""
 
@@ -134,7 +135,8 @@ def _instrument_gcs_emulator() -> None:
 
     if getattr(gserver.Router.handle, "_diloco", False):
         return
-    handle, multipart, download = gserver.Router.handle, objects._multipart_upload, objects.download
+    handle, multipart, download, compose = (gserver.Router.handle, objects._multipart_upload, objects.download,
+                                            objects.compose)
 
     def recorded_handle(self: Any, method: str) -> Any:
         req = gserver.Request(self._request_handler, method)
@@ -159,6 +161,18 @@ def _instrument_gcs_emulator() -> None:
                 response["x-goog-generation"] = str(obj["generation"])
         return download(request, response, storage, *args, **kwargs)
 
+    def checked_compose(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        if _GCS_RECORDER.enforce_generation_match and request.query.get("ifGenerationMatch") == ["0"]:
+            try:
+                storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+            except NotFound:
+                pass
+            else:
+                response.status = gserver.HTTPStatus.PRECONDITION_FAILED
+                response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+                return None
+        return compose(request, response, storage, *args, **kwargs)
+
     def checked_multipart(request: Any, response: Any, storage: Any) -> Any:
         if _GCS_RECORDER.enforce_generation_match and request.query.get("ifGenerationMatch") == ["0"]:
             name = request.query.get("name", [None])[0] or request.data["meta"].get("name")
@@ -178,6 +192,8 @@ def _instrument_gcs_emulator() -> None:
     for _, handlers in gserver.HANDLERS:  # the routing table holds the handler functions themselves
         if handlers.get(gserver.GET) is download:
             handlers[gserver.GET] = checked_download
+        if handlers.get(gserver.POST) is compose:
+            handlers[gserver.POST] = checked_compose
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,11 @@ One request moves ~50-100 MB/s on a real store, far below a replica's NIC, so an
 ``part_size`` stay single requests (a PUT, or one GET).
 
 * **No HEAD before GET.** The first GET asks for ``bytes=0-<part_size - 1>``; its ``Content-Range``
-  (``bytes 0-x/<total>``) gives the object's size, and only then are the other ranges requested, each
-  with ``If-Match: <etag of the first answer>``. An object replaced between two ranges answers 412:
-  the read raises a ``ConnectionError`` (transient, :func:`object_changed`), and the caller's retry
-  starts over, so a reader never returns parts of two versions. An empty object answers the first
-  range with 416, read as ``b""``.
+  (``bytes 0-x/<total>``) gives the object's size. As soon as its headers arrive (its body still
+  arriving) the other ranges are requested, each with ``If-Match: <etag of the first answer>``. An
+  object replaced between two ranges answers 412: the read raises a ``ConnectionError`` (transient,
+  :func:`object_changed`), and the caller's retry starts over, so a reader never returns parts of two
+  versions. An empty object answers the first range with 416, read as ``b""``.
 * **Size bound known: all ranges at once.** A reader that bounds the size (``max_bytes``, as the
   exchange does for every shard object) and allows more than one part sends the ranges covering
   ``[0, max_bytes]`` together, without waiting for the first: ranges past the end answer 416 and are
@@ -135,16 +135,20 @@ async def _retrying(call: Callable[[], Awaitable[T]], retry: RetryPolicy, deadli
 
 
 class RangeAnswer(NamedTuple):
-    """One ranged GET's answer: its bytes, the object's size (``None`` when the answer does not say),
-    and the version it came from (an S3 ETag, a GCS generation; ``None`` if unknown)."""
+    """One ranged GET whose headers have arrived: the object's size (``None`` when the answer does not
+    say), the version it came from (an S3 ETag, a GCS generation; ``None`` if unknown), and its body,
+    to read (``body()``, which also releases the connection) or to drop unread (``release()``, which
+    may be called more than once)."""
 
-    data: bytes
     total: int | None
     version: str | None
+    body: Callable[[], Awaitable[bytes]]
+    release: Callable[[], None]
 
 
 #: ``read(lo, hi, version)``: bytes ``[lo, hi)`` of one object, only of ``version`` when given (else
-#: :class:`VersionChanged`); an empty object's or a past-the-end range answers 416 (an ``OSError``).
+#: :class:`VersionChanged`), answered once the headers arrive; an empty object's or a past-the-end range
+#: answers 416 (an ``OSError``).
 RangeRead = Callable[[int, int, str | None], Awaitable[RangeAnswer]]
 
 
@@ -174,13 +178,11 @@ async def _read_body(resp: dict[str, Any]) -> bytes:
         body.close()
 
 
-def range_total(content_range: object, got: int, lo: int) -> int | None:
-    """Object size from a ranged answer's ``Content-Range``. Without one, a server that ignored the
-    range sent everything from byte 0 (``got`` bytes); from elsewhere, the size is unknown (``None``)."""
+def range_total(content_range: object) -> int | None:
+    """Object size from a ranged answer's ``Content-Range`` (``bytes a-b/<total>``); ``None`` without one
+    (a server that ignored the range and sent the whole object, or one that does not know the size)."""
     m = _CONTENT_RANGE.match(str(content_range or ""))
-    if m is None or m.group(3) == "*":
-        return got if lo == 0 else None
-    return int(m.group(3))
+    return None if m is None or m.group(3) == "*" else int(m.group(3))
 
 
 def _is_precondition_failed(exc: BaseException) -> bool:
@@ -207,49 +209,75 @@ def s3_reader(fs: Any, bucket: str, key: str, policy: TransferPolicy, hedger: He
             if version and _is_precondition_failed(exc):
                 raise VersionChanged("its ETag no longer matches") from exc
             raise
-        data = await _read_body(resp)
-        return RangeAnswer(data, range_total(resp.get("ContentRange"), len(data), lo), resp.get("ETag"))
+        return RangeAnswer(range_total(resp.get("ContentRange")), resp.get("ETag"), lambda: _read_body(resp),
+                           lambda: _release(resp))
 
     return read
+
+
+async def _fetch(read: RangeRead, lo: int, hi: int, version: str | None) -> tuple[bytes, RangeAnswer]:
+    """Bytes ``[lo, hi)`` (one GET, headers and body) and its answer."""
+    answer = await read(lo, hi, version)
+    return await answer.body(), answer
 
 
 async def ranged_get(read: RangeRead, where: str, policy: TransferPolicy, retry: RetryPolicy, deadline: float,
                      limit: int | None = None, too_large: Callable[[int], BaseException] | None = None) -> bytes:
     """An object's bytes via ranged GETs through ``read`` (see the module docstring); never a HEAD.
 
-    With ``limit``, the first range is at most ``limit + 1`` bytes and an object larger than ``limit``
-    raises ``too_large(size)`` before anything else is read. ``where`` names the object in errors.
+    The first range's headers size the object; the other ranges start then, while the first body is
+    still arriving. With ``limit``, the first range is at most ``limit + 1`` bytes and an object larger
+    than ``limit`` raises ``too_large(size)`` before its body is read. ``where`` names the object in errors.
     """
     if limit is not None and limit + 1 > policy.part_size:
         return await _get_bounded(read, where, policy, retry, deadline, limit, too_large)
-    first = policy.part_size if limit is None else min(policy.part_size, limit + 1)
+
+    def oversized(total: int) -> BaseException:
+        return too_large(total) if too_large is not None else ValueError(f"object larger than {limit} bytes")
+
+    first_len = max(1, policy.part_size if limit is None else min(policy.part_size, limit + 1))
     try:
-        answer = await _retrying(lambda: read(0, max(first, 1), None), retry, deadline)
+        first = await _retrying(lambda: read(0, first_len, None), retry, deadline)
     except OSError as exc:
         if is_range_unsatisfiable(exc):
             return b""  # the store's answer to a range of an empty object
         raise
-    head = answer.data
-    total = len(head) if answer.total is None else answer.total
-    if limit is not None and total > limit:
-        raise (too_large(total) if too_large is not None else ValueError(f"object larger than {limit} bytes"))
-    if total <= len(head):
+    total = first.total
+    if total is not None and limit is not None and total > limit:
+        first.release()
+        raise oversized(total)
+    if total is None or total <= first_len:  # this answer holds the whole object
+        head = await first.body()
+        total = len(head) if total is None else total
+        if limit is not None and total > limit:
+            raise oversized(total)
+        if len(head) != total:
+            raise object_changed(where, f"its first range returned {len(head)} of {total} bytes")
         return head
     out = bytearray(total)
-    out[:len(head)] = head
     gate = asyncio.Semaphore(policy.concurrency)
+
+    async def head_part() -> None:  # first in line for the gate: its request is already in flight
+        async with gate:
+            data = await first.body()
+        if len(data) != first_len:
+            raise object_changed(where, f"range 0-{first_len - 1} returned {len(data)} bytes")
+        out[:first_len] = data
 
     async def one(lo: int, hi: int) -> None:
         async with gate:
             try:
-                part = await _retrying(lambda: read(lo, hi, answer.version), retry, deadline)
+                data, part = await _retrying(lambda: _fetch(read, lo, hi, first.version), retry, deadline)
             except VersionChanged as exc:
                 raise object_changed(where, str(exc)) from exc
-        if len(part.data) != hi - lo or part.total not in (None, total):
-            raise object_changed(where, f"range {lo}-{hi - 1} returned {len(part.data)} bytes of {part.total}")
-        out[lo:hi] = part.data
+        if len(data) != hi - lo or part.total not in (None, total):
+            raise object_changed(where, f"range {lo}-{hi - 1} returned {len(data)} bytes of {part.total}")
+        out[lo:hi] = data
 
-    await _gather_all([one(lo, hi) for lo, hi in policy.ranges(total, start=len(head))])
+    try:
+        await _gather_all([head_part(), *(one(lo, hi) for lo, hi in policy.ranges(total, start=first_len))])
+    finally:
+        first.release()  # a no-op once its body was read; closes it if the read failed before
     return bytes(out)
 
 
@@ -257,27 +285,29 @@ async def _get_bounded(read: RangeRead, where: str, policy: TransferPolicy, retr
                        limit: int, too_large: Callable[[int], BaseException] | None) -> bytes:
     """Every range of ``[0, limit]`` at once (see the module docstring); the object's bytes."""
     spans = policy.ranges(limit + 1)
-    got: list[RangeAnswer] = [RangeAnswer(b"", None, None)] * len(spans)
+    got: list[tuple[bytes, int | None, str | None]] = [(b"", None, None)] * len(spans)
     gate = asyncio.Semaphore(policy.concurrency)
 
     async def one(i: int, lo: int, hi: int) -> None:
         async with gate:
             try:
-                got[i] = await _retrying(lambda: read(lo, hi, None), retry, deadline)
+                data, answer = await _retrying(lambda: _fetch(read, lo, hi, None), retry, deadline)
             except OSError as exc:
                 if is_range_unsatisfiable(exc):
                     return  # past the end (or an empty object)
                 raise
+        # without a Content-Range only an answer from byte 0 says the size: it is the whole object
+        got[i] = (data, answer.total if answer.total is not None or lo else len(data), answer.version)
 
     await _gather_all([one(i, lo, hi) for i, (lo, hi) in enumerate(spans)])
-    versions = {a.version for a in got if a.total is not None}
-    totals: set[int] = {a.total for a in got if a.total is not None}
+    versions = {version for _, total, version in got if total is not None}
+    totals: set[int] = {total for _, total, _ in got if total is not None}
     if len(versions) > 1 or len(totals) > 1:
         raise object_changed(where, "its parts came from different versions")
     total = totals.pop() if totals else 0
     if total > limit:
         raise (too_large(total) if too_large is not None else ValueError(f"object larger than {limit} bytes"))
-    data = b"".join(a.data for a in got)[:total]
+    data = b"".join(part for part, _, _ in got)[:total]
     if len(data) != total:
         raise object_changed(where, f"{len(data)} of {total} bytes came back")
     return data

@@ -15,8 +15,9 @@ Create-only per back end:
 * Local: a finished temporary file is ``os.link``-ed to the key (see :mod:`store_local`).
 * Memory: check-and-write under a process-wide lock.
 
-Large S3 objects (over ``TransferPolicy.part_size``, 16 MiB by default) go up as parallel multipart
-uploads; large S3 and GCS objects come down as parallel ranged GETs. Every S3 and GCS read is ranged
+Large S3 and GCS objects (over ``TransferPolicy.part_size``, 16 MiB by default) go up in parallel parts
+(S3 multipart, GCS composite: temporary parts under ``.uploads/`` joined by one ``compose``) and come
+down as parallel ranged GETs. Every S3 and GCS read is ranged
 and sizes itself from the first answer's ``Content-Range``, never a HEAD or metadata request
 (:mod:`diloco_serverless.store._transfer`, :mod:`diloco_serverless.store._gcs`). Reads on
 S3 and GCS (GETs, listings) are hedged: one that is slower than most of the store's recent answers
@@ -54,7 +55,7 @@ from fsspec.asyn import sync
 
 from diloco_serverless.errors import StoreError
 from diloco_serverless.store import _local as store_local
-from diloco_serverless.store._gcs import gcs_reader
+from diloco_serverless.store._gcs import gcs_put_parts, gcs_reader
 from diloco_serverless.store._transfer import RangeRead, TransferPolicy, ranged_get, s3_put_parts, s3_reader
 from diloco_serverless.store.credentials import gcs_key_from_env
 from diloco_serverless.store.errors import (
@@ -92,6 +93,8 @@ _MEMORY_LOCK = threading.Lock()
 _MAX_THREADS = 16
 #: Back ends whose reads are ranged GETs (parallel above the part size, hedged): store/_transfer.py, store/_gcs.py
 _RANGED = ("s3", "gs")
+#: Folder (under a GCS store's root) of the temporary parts of composite uploads (store/_gcs.py).
+UPLOADS_PREFIX = ".uploads"
 _S3_POOL_CONNECTIONS = 64
 
 
@@ -332,6 +335,17 @@ class ObjectStore:
             return sync(fs.loop, call, *args, timeout=max(timeout_s, 0.001), **kwargs)
         return getattr(self.fs, method)(*args, **kwargs)
 
+    def _gcs_put(self, path: str, data: bytes, remaining: float, *, create_only: bool) -> None:
+        """One upload, or a parallel composite upload above the part size (GCS only); its temporary
+        parts go under ``<root>/.uploads/``."""
+        if len(data) <= self.transfer.part_size:
+            mode: dict[str, Any] = {"mode": "create"} if create_only else {}
+            self._fs_call("pipe_file", path, data, timeout_s=remaining, **mode)
+            return
+        fs = self.fs
+        sync(fs.loop, gcs_put_parts, fs, path, data, self._path(UPLOADS_PREFIX), self.transfer, self.retry,
+             time.monotonic() + remaining, create_only=create_only, timeout=max(remaining, 0.001))
+
     def _s3_put(self, path: str, data: bytes, remaining: float, *, create_only: bool) -> None:
         """One PutObject, or a parallel multipart upload above the part size (S3 only)."""
         if len(data) <= self.transfer.part_size:
@@ -370,6 +384,8 @@ class ObjectStore:
                 store_local.atomic_write(path, data)
             elif self.protocol == "s3":
                 self._s3_put(path, data, remaining, create_only=False)
+            elif self.protocol == "gs":
+                self._gcs_put(path, data, remaining, create_only=False)
             else:
                 self._fs_call("pipe_file", path, data, timeout_s=remaining)
 
@@ -401,6 +417,8 @@ class ObjectStore:
             try:
                 if self.protocol == "s3":
                     self._s3_put(path, data, remaining, create_only=True)
+                elif self.protocol == "gs":
+                    self._gcs_put(path, data, remaining, create_only=True)
                 else:
                     self._fs_call("pipe_file", path, data, mode="create", timeout_s=remaining)
                 return True
@@ -576,9 +594,9 @@ class ObjectStore:
                 if self.protocol == "s3":  # one HEAD; s3fs's info() would also LIST on a miss
                     bucket, name, _ = self.fs.split_path(path)
                     self._fs_call("call_s3", "head_object", Bucket=bucket, Key=name,
-                                  timeout_s=remaining)
+                                  timeout_s=remaining, hedged=True)
                     return True
-                info = self._fs_call("info", path, timeout_s=remaining)
+                info = self._fs_call("info", path, timeout_s=remaining, hedged=True)
             except FileNotFoundError:
                 return False
             return bool(info.get("type") != "directory")
@@ -623,7 +641,7 @@ class ObjectStore:
             if hasattr(self.fs, "invalidate_cache"):
                 self.fs.invalidate_cache(path)
             try:
-                entries = self._fs_call("ls", path, detail=True, timeout_s=remaining)
+                entries = self._fs_call("ls", path, detail=True, timeout_s=remaining, hedged=True)
             except (FileNotFoundError, NotADirectoryError):
                 return []
             here = self.fs._strip_protocol(path).rstrip("/")

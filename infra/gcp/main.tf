@@ -40,6 +40,18 @@ resource "google_storage_bucket" "exchange" {
     }
   }
 
+  # The parts of a composite upload (objects over the part size, e.g. checkpoints) are temporary
+  # objects ending in .diloco-part, deleted after each upload; these are what a killed replica left.
+  lifecycle_rule {
+    condition {
+      age            = var.abort_incomplete_multipart_days
+      matches_suffix = [".diloco-part"]
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
   dynamic "encryption" {
     for_each = var.kms_key_name == null ? [] : [var.kms_key_name]
     content {

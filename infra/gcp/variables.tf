@@ -64,7 +64,7 @@ variable "expiration_days" {
 }
 
 variable "abort_incomplete_multipart_days" {
-  description = "Days after which incomplete XML-API multipart uploads anywhere in the bucket are aborted."
+  description = "Days after which incomplete XML-API multipart uploads, and the leftover parts of composite uploads (*.diloco-part), anywhere in the bucket are deleted."
   type        = number
   default     = 1
 

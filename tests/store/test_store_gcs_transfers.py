@@ -1,7 +1,8 @@
-"""Large GCS objects come down as parallel ranged GETs (store/_gcs.py) against gcp-storage-emulator,
-with every request recorded: no metadata request before a read, the size from the first answer's
-``Content-Range``, later ranges pinned to the first answer's generation so a read never mixes two
-versions, and bounded reads refusing an oversized object.
+"""Large GCS objects as parallel parts (store/_gcs.py) against gcp-storage-emulator, with every request
+recorded. Reads: no metadata request, the size from the first answer's ``Content-Range``, later ranges
+pinned to the first answer's generation so a read never mixes two versions, bounded reads refusing an
+oversized object, hedging. Writes: a composite of parallel part uploads, create-only kept by the
+compose's precondition, no parts left behind.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from diloco_serverless.store._gcs import MAX_COMPOSE_SOURCES, PART_SUFFIX, compose_ranges
 from diloco_serverless.store._transfer import MIN_PART_SIZE, TransferPolicy
 from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 from diloco_serverless.store.retry import RetryPolicy
@@ -139,3 +141,49 @@ def test_a_stuck_gcs_get_is_answered_by_its_backup(gcs_server: str, gcs_store_ur
             release.set()
     assert held.is_set() and still_held
     assert store.hedger.backups >= 1 and len(seen) >= 2
+
+
+def _leftover_parts(store: ObjectStore) -> list[str]:
+    return [p for p in store.fs.find(store.fs._strip_protocol(store.url)) if p.endswith(PART_SUFFIX)]
+
+
+def test_a_large_object_goes_up_as_a_composite_of_parallel_parts(
+        gcs_store_url: str, gcs_storage_options: dict[str, Any], gcs_requests: Any) -> None:
+    store = _store(gcs_store_url, gcs_storage_options)
+    data = os.urandom(2 * MIN_PART_SIZE + 4321)
+    gcs_requests.requests.clear()
+    store.put("ckpt/shard.bin", data)
+    uploads = gcs_requests.uploads()  # the parts (the compose writes the object itself)
+    composes = [r for r in gcs_requests.requests if r["method"] == "POST" and r["path"].endswith("/compose")]
+    deletes = [r for r in gcs_requests.requests if r["method"] == "DELETE"]
+    assert len(uploads) == 3 and len(composes) == 1 and len(deletes) == 3
+    assert store.get("ckpt/shard.bin") == data
+    assert not _leftover_parts(store)
+    assert store.list("") == ["ckpt/shard.bin"]  # the parts are gone, and never were under the key's folder
+    small = os.urandom(1000)
+    gcs_requests.requests.clear()
+    store.put("ckpt/small.bin", small)
+    assert len(gcs_requests.uploads()) == 1 and not [r for r in gcs_requests.requests if r["method"] == "DELETE"]
+
+
+def test_a_create_only_composite_upload_keeps_the_first_object_and_leaves_no_parts(
+        gcs_store_url: str, gcs_storage_options: dict[str, Any], gcs_requests: Any) -> None:
+    gcs_requests.enforce_generation_match = True  # compose with ifGenerationMatch=0 answers 412, as on GCS
+    store = _store(gcs_store_url, gcs_storage_options)
+    first, other = os.urandom(MIN_PART_SIZE + 10), os.urandom(MIN_PART_SIZE + 10)
+    assert store.put_if_absent("once.bin", first) is True
+    assert store.put_if_absent("once.bin", other) is False  # someone else's object: untouched
+    assert store.put_if_absent("once.bin", first) is True  # the same bytes read back as ours (a lost answer)
+    assert store.get("once.bin") == first
+    composes = [r for r in gcs_requests.requests if r["method"] == "POST" and r["path"].endswith("/compose")]
+    assert len(composes) == 3 and all(r["query"].get("ifGenerationMatch") == ["0"] for r in composes)
+    assert not _leftover_parts(store)
+
+
+def test_compose_ranges_never_exceed_gcs_source_limit() -> None:
+    policy = TransferPolicy(part_size=MIN_PART_SIZE)
+    spans = compose_ranges(100 * MIN_PART_SIZE + 1, policy)
+    assert len(spans) <= MAX_COMPOSE_SOURCES and spans[0][0] == 0 and spans[-1][1] == 100 * MIN_PART_SIZE + 1
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert compose_ranges(3 * MIN_PART_SIZE, policy) == [(0, MIN_PART_SIZE), (MIN_PART_SIZE, 2 * MIN_PART_SIZE),
+                                                          (2 * MIN_PART_SIZE, 3 * MIN_PART_SIZE)]

@@ -107,6 +107,25 @@ def test_a_stuck_listing_is_answered_by_its_backup(s3_server: str, bucket: str) 
     assert hold.held.is_set() and still_held and len(hold.seen) == 2
 
 
+@pytest.mark.parametrize("op", ["exists", "list_dirs"])
+def test_a_stuck_head_or_folder_listing_is_answered_by_its_backup(s3_server: str, bucket: str, op: str) -> None:
+    """``exists`` (a HEAD) and ``list_dirs`` (a delimited listing) are reads too: hedged like a GET."""
+    if op == "exists":
+        hold = Hold(lambda r: r.method == "HEAD" and r.key == "d/x/obj")
+    else:
+        hold = Hold(lambda r: r.method == "GET" and not r.key and "delimiter" in r.query)
+    with FaultProxy(s3_server, hooks=[hold]) as proxy:
+        store = _store(proxy.url, bucket, TransferPolicy())
+        _warm(store)
+        store.put("d/x/obj", b"1")
+        try:
+            assert (store.exists("d/x/obj") if op == "exists" else store.list_dirs("d") == ["d/x"])
+            still_held = not hold.released.is_set()
+        finally:
+            hold.released.set()
+    assert hold.held.is_set() and still_held and len(hold.seen) >= 2
+
+
 def test_without_hedging_a_read_is_sent_once(s3_server: str, bucket: str) -> None:
     hold = Hold(lambda r: r.method == "GET" and r.key == "n/k/obj")
     with FaultProxy(s3_server, hooks=[hold]) as proxy:
