@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
+from diloco_serverless.errors import DilocoError
 from diloco_serverless.store.errors import is_range_unsatisfiable, is_transient
 from diloco_serverless.store.hedge import HEDGE_QUANTILE, Hedger
 from diloco_serverless.store.retry import RetryPolicy
@@ -152,7 +153,7 @@ class RangeAnswer(NamedTuple):
 RangeRead = Callable[[int, int, str | None], Awaitable[RangeAnswer]]
 
 
-class VersionChanged(Exception):
+class VersionChanged(DilocoError):
     """A ranged GET pinned to a version found another one (412): not transient by itself; the read
     turns it into :func:`object_changed`, which the operation's retry restarts from byte 0."""
 
