@@ -3,7 +3,7 @@
 The keys themselves are built in :mod:`diloco_serverless.run.layout`; under ``<store_url>/<run_id>/``
 a round is (docs/architecture.md, "The exchange protocol")::
 
-    rounds/<round:08d>/ready/rank-<r>             JSON ReadyMarker, written after all of r's contributions
+    rounds/<round:08d>/ready/rank-<r>.<mac>       JSON ReadyMarker, written after all of r's contributions
     rounds/<round:08d>/quorum.json                create-only: participants + their markers
     rounds/<round:08d>/contrib/<shard:04d>/rank-<r>
     rounds/<round:08d>/reduced/<shard:04d>        create-only: the averaged shard
@@ -35,10 +35,10 @@ from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 
 FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per empty poll up to poll_interval_s
-_RANK_RE = re.compile(r"rank-(\d+)$")
+_RANK_RE = re.compile(r"rank-(\d+)(?:\.([0-9a-f]+))?$")
 _SHARD_RE = re.compile(r"/(\d{4,})$")
 _ROUND = rf"{re.escape(ROUNDS_PREFIX)}/(\d{{8,}})"
-_OWN_MARKER_RE = re.compile(rf"{_ROUND}/ready/rank-\d+")
+_OWN_MARKER_RE = re.compile(rf"{_ROUND}/ready/rank-\d+(?:\.[0-9a-f]+)?")
 _QUORUM_RE = re.compile(rf"{_ROUND}/quorum\.json")
 _DATA_ROUND = rf"(?:{re.escape(ROUNDS_PREFIX)}|{re.escape(SPREAD_PREFIX)}[0-9a-f]{{2}})/(\d{{8,}})"
 _SHARD_OBJECT_RE = re.compile(
@@ -59,6 +59,17 @@ def ranks_in(keys: Sequence[str]) -> set[int]:
         m = _RANK_RE.search(k)
         if m:
             out.add(int(m.group(1)))
+    return out
+
+
+def markers_in(keys: Sequence[str]) -> dict[int, list[tuple[str, str | None]]]:
+    """Ready-marker keys among ``keys`` (a listing of a round's ready prefix), by rank: each as
+    ``(key, tag)``, the tag being the MAC in the name (``None`` for a marker named without one), sorted."""
+    out: dict[int, list[tuple[str, str | None]]] = {}
+    for k in sorted(keys):
+        m = _RANK_RE.search(k)
+        if m:
+            out.setdefault(int(m.group(1)), []).append((k, m.group(2)))
     return out
 
 

@@ -65,6 +65,7 @@ from diloco_serverless.exchange.quorum import (
     QuorumWait,
     ReadyMarker,
     check_agreement,
+    marker_tag,
     read_quorum,
     signed_json,
     wait_for_quorum,
@@ -366,7 +367,8 @@ class ObjectStoreAllReduce:
 
         own = list(self._executor().map(one, range(len(rs.bounds))))
         self._before_ready(rs)
-        io.put(ready_key(rs.r, self.rank), signed_json(self._run_key, "ready", asdict(rs.me)))
+        io.put(ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key)),
+               signed_json(self._run_key, "ready", asdict(rs.me)))
         return own
 
     def _before_ready(self, rs: _Round) -> None:

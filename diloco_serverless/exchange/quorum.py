@@ -2,7 +2,11 @@
 
 See docs/architecture.md, "The exchange protocol", step 2.
 
-A replica writes ``ready/rank-<r>`` after all of its contribution objects. The first replica that
+A replica writes ``ready/rank-<r>.<tag>`` after all of its contribution objects, the tag being the
+marker's MAC (:func:`marker_tag`). Every field of a marker but the rank is the same for all the
+round's participants, so the quorum's writer computes the tag each peer's marker must carry and
+reads a marker only when its name says something else (a mismatch, a marker of an earlier version,
+a forgery): the listing that shows the last replica ready is enough to write the quorum. The first replica that
 sees all N ready markers, or whose straggler deadline passes with at least ``min_replicas`` ready,
 writes ``quorum.json`` with create-only semantics (S3 ``If-None-Match: *``, GCS
 ``ifGenerationMatch=0``, ``os.link`` locally); everyone then reads the one that won. The quorum
@@ -13,23 +17,25 @@ same :class:`MismatchError` everywhere.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from diloco_serverless.exchange._io import FIRST_POLL_S as _FIRST_POLL_S
-from diloco_serverless.exchange._io import CountingStore, json_bytes, ranks_in
+from diloco_serverless.exchange._io import CountingStore, json_bytes, markers_in
 from diloco_serverless.exchange.errors import (
     AbstainedError,
     CorruptObjectError,
     MismatchError,
     RoundPrunedError,
 )
-from diloco_serverless.run.integrity import mac_json, verify_json
+from diloco_serverless.run.integrity import MAC_FIELD, mac_json, verify_json
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
     abstain_key,
@@ -85,6 +91,62 @@ class ReadyMarker:
         if type(marker.split) is not int or marker.split < 1:
             raise CorruptObjectError(f"ready marker {key!r} has split={marker.split!r}, not a count >= 1; refusing it")
         return marker
+
+
+#: Ready-marker keys of a round by rank, as :func:`~diloco_serverless.exchange._io.markers_in` lists them.
+Listed = dict[int, list[tuple[str, str | None]]]
+#: Markers the quorum's writer holds or is reading: the marker itself, or its key and the GET under way.
+Fetched = dict[int, ReadyMarker | tuple[str, Future[bytes | None]]]
+
+
+def marker_tag(marker: ReadyMarker, run_key: bytes | None) -> str:
+    """The tag in ``marker``'s key (:func:`~diloco_serverless.run.layout.ready_key`): its MAC under the run
+    key, i.e. the ``mac`` field of the stored marker, so only a holder of the key can name a marker;
+    without a run key the SHA-256 of the marker's canonical JSON (integrity, not authenticity, as for
+    everything in a run without a key)."""
+    doc = asdict(marker)
+    if run_key is not None:
+        return str(mac_json(run_key, "ready", doc)[MAC_FIELD])
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def _named(me: ReadyMarker, rank: int, keys: list[tuple[str, str | None]], run_key: bytes | None) -> ReadyMarker | None:
+    """Rank ``rank``'s marker without reading it: ``me`` with that rank, when one of ``keys`` (its listed
+    markers) carries that marker's tag; ``None`` when it must be read."""
+    twin = replace(me, rank=rank)
+    want = marker_tag(twin, run_key)
+    return twin if any(tag is not None and hmac.compare_digest(tag, want) for _, tag in keys) else None
+
+
+def fetch_markers(io: CountingStore, me: ReadyMarker, ranks: set[int], listed: Listed, run_key: bytes | None,
+                  fetched: Fetched) -> None:
+    """Add to ``fetched`` the markers of ``ranks`` it lacks (not ``me``'s): named after the marker
+    ``me`` implies for them (no request), else a GET started of the rank's first listed key."""
+    for r in sorted(ranks - set(fetched) - {me.rank}):
+        keys = listed.get(r, [])
+        known = _named(me, r, keys, run_key)
+        if known is not None:
+            fetched[r] = known
+        else:
+            key = keys[0][0] if keys else ready_key(me.round, r)
+            fetched[r] = (key, io.get_async(key, control=True))
+
+
+def collect_markers(fetched: Fetched, ranks: list[int], run_key: bytes | None) -> dict[int, ReadyMarker]:
+    """The markers of ``ranks`` from ``fetched`` (waiting for their GETs, parsing and checking what was
+    read; :class:`CorruptObjectError` for a bad one), removing them from it; a marker whose object was
+    gone is left out."""
+    out: dict[int, ReadyMarker] = {}
+    for r in ranks:
+        held = fetched.pop(r)
+        if isinstance(held, ReadyMarker):
+            out[r] = held
+            continue
+        key, future = held
+        data = future.result()
+        if data is not None:
+            out[r] = ReadyMarker.parse(data, key=key, run_key=run_key)
+    return out
 
 
 @dataclass(frozen=True)
@@ -233,36 +295,21 @@ class QuorumWait:
 
 
 def _try_create(
-    io: CountingStore, me: ReadyMarker, ready: set[int], run_key: bytes | None,
-    fetched: dict[int, Future[bytes | None]],
+    io: CountingStore, me: ReadyMarker, ready: set[int], run_key: bytes | None, fetched: Fetched, listed: Listed,
 ) -> Quorum | None:
     """Write quorum.json (create-only) from the markers of ``ready``; the quorum if ours won, else
-    ``None`` (losing the race is fine: the caller reads the winner). ``fetched`` holds the marker
-    GETs already started while polling (our own marker is ``me``)."""
+    ``None`` (losing the race is fine: the caller reads the winner). ``fetched`` holds the markers
+    known or being read since polling began (our own marker is ``me``); ``listed`` the last listing."""
     markers: dict[int, ReadyMarker] = {me.rank: me} if me.rank in ready else {}
     others = sorted(ready - set(markers))
-    have = {r: fetched.pop(r).result() if r in fetched else None for r in others}
-    missing = [ready_key(me.round, r) for r, data in have.items() if data is None]
-    late = io.get_many(missing, missing_ok=True)  # the markers nobody prefetched, concurrently
-    for r in others:
-        k = ready_key(me.round, r)
-        data = have[r] if have[r] is not None else late.get(k)
-        if data is not None:
-            markers[r] = ReadyMarker.parse(data, key=k, run_key=run_key)
+    fetch_markers(io, me, set(others), listed, run_key, fetched)  # the rest at once, concurrently
+    markers.update(collect_markers(fetched, others, run_key))
     if not markers:
         return None
     q = Quorum(me.run_id, me.round, sorted(markers), markers, me.rank)
     if io.put_if_absent(quorum_key(me.round), signed_json(run_key, "quorum", q.to_json())):
         return q
     return None
-
-
-def _prefetch_markers(io: CountingStore, me: ReadyMarker, ready: set[int],
-                      fetched: dict[int, Future[bytes | None]]) -> None:
-    """Start GETting the ready markers of ``ready`` that the quorum's writer does not hold yet, so that
-    writing the quorum costs one round trip once the last replica is ready."""
-    for r in sorted(ready - set(fetched) - {me.rank}):
-        fetched[r] = io.get_async(ready_key(me.round, r), control=True)
 
 
 def _grace_s(io: CountingStore, p: QuorumWait) -> float:
@@ -305,12 +352,14 @@ def wait_for_quorum(
     entitled_since: float | None = None
     seen: set[int] = set()
     reasons: dict[int, str] = {}  # verified abstentions: rank -> reason
-    fetched: dict[int, Future[bytes | None]] = {}  # ready markers being fetched for the quorum we may write
+    fetched: Fetched = {}  # ready markers known or being read for the quorum we may write
     ready: set[int] = set()
+    listed: Listed = {}
     while True:
         if len(ready) < p.world_size:  # once all N are ready, only the quorum is left to read
             listing = io.list(ready_prefix(me.round))
-            ready = {r for r in ranks_in(listing) if 0 <= r < p.world_size}
+            listed = markers_in(listing)
+            ready = {r for r in listed if 0 <= r < p.world_size}
             for r in {r for r in abstained_in(listing) if 0 <= r < p.world_size} - ready - set(reasons):
                 reason = _read_abstention(io, me, r, p.run_key)
                 if reason is not None:
@@ -327,12 +376,12 @@ def wait_for_quorum(
         entitled = (accounted and len(ready) >= p.min_replicas) or (
             now - started >= p.straggler_timeout_s and len(ready) >= p.min_replicas
         )
-        if ready and me.rank == min(ready):
-            _prefetch_markers(io, me, ready, fetched)  # we will write the quorum: fetch what it copies now
+        if ready and me.rank == min(ready):  # we will write the quorum: fetch what it copies now
+            fetch_markers(io, me, ready, listed, p.run_key, fetched)
         if entitled:
             entitled_since = now if entitled_since is None else entitled_since
             if me.rank == min(ready) or now - entitled_since >= _grace_s(io, p):
-                created = _try_create(io, me, ready, p.run_key, fetched)
+                created = _try_create(io, me, ready, p.run_key, fetched, listed)
                 if created is not None:
                     return created  # ours won: no need to read it back
         if entitled or now - last_read >= max(p.poll_interval_s, 0.5):  # others may have formed it without us

@@ -30,18 +30,21 @@ from typing import Any
 
 import torch
 
-from diloco_serverless.exchange._io import FIRST_POLL_S, CountingStore
+from diloco_serverless.exchange._io import FIRST_POLL_S, CountingStore, markers_in, ranks_in
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce, _Round
 from diloco_serverless.exchange.quorum import (
+    Fetched,
     Quorum,
     ReadyMarker,
     _check_skipped,
     check_agreement,
+    collect_markers,
+    fetch_markers,
     read_quorum,
     signed_json,
     write_abstention,
 )
-from diloco_serverless.run.layout import quorum_key, ready_key, slice_prefix
+from diloco_serverless.run.layout import quorum_key, ready_prefix, slice_prefix
 from diloco_serverless.store.objectstore import ObjectStore
 
 __all__ = ["SlicedAllReduce"]
@@ -94,8 +97,9 @@ class SlicedAllReduce(ObjectStoreAllReduce):
         sleep_s = min(FIRST_POLL_S, self.poll_interval_s)
         io = self._io
         assert io is not None
-        while waiting:
-            waiting = {h for h in waiting if not self._slice_io[h].store.exists(ready_key(rs.r, self.rank))}
+        while waiting:  # a sibling's marker is named by its own tag (its slice's size): look for the rank
+            waiting = {h for h in waiting
+                       if self.rank not in ranks_in(self._slice_io[h].store.list(ready_prefix(rs.r)))}
             if not waiting:
                 return
             if io.store.exists(quorum_key(rs.r)):  # the round closed without us: we are late in every slice
@@ -166,11 +170,13 @@ class SlicedAllReduce(ObjectStoreAllReduce):
         markers: dict[int, ReadyMarker] = {}
         sleep_s = min(FIRST_POLL_S, self.poll_interval_s)
         while True:
-            keys = {r: ready_key(rs.r, r) for r in participants if r not in markers}
-            blobs = io.get_many(list(keys.values()), missing_ok=True)
-            for r, k in keys.items():
-                if k in blobs:
-                    markers[r] = ReadyMarker.parse(blobs[k], key=k, run_key=self._run_key)
+            listed = markers_in(io.list(ready_prefix(rs.r)))
+            here = {r for r in participants if r not in markers and r in listed}
+            fetched: Fetched = {}
+            fetch_markers(io, rs.me, here, listed, self._run_key, fetched)  # named like ours: no GET
+            markers.update(collect_markers(fetched, sorted(fetched), self._run_key))
+            if self.rank in here:
+                markers[self.rank] = rs.me
             if len(markers) == len(participants):
                 return markers
             if time.monotonic() >= rs.deadline:

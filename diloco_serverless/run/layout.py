@@ -11,6 +11,7 @@ metrics), the exchange and the checkpoints all build their keys here.
 from __future__ import annotations
 
 import hashlib
+import re
 
 RUN_JSON = "run.json"
 RUN_VERSION = 1
@@ -49,6 +50,9 @@ def fmt_shard(shard: int) -> str:
     return f"{shard:04d}"
 
 
+_TAG_RE = re.compile(r"[0-9a-f]{1,128}")
+
+
 def _rank(rank: int) -> str:
     _check_index("rank", rank, 6)
     return f"rank-{rank}"
@@ -74,9 +78,16 @@ def ready_prefix(round: int) -> str:
     return f"{round_prefix(round)}/ready"
 
 
-def ready_key(round: int, rank: int) -> str:
-    """``rounds/<round>/ready/rank-<r>``."""
-    return f"{ready_prefix(round)}/{_rank(rank)}"
+def ready_key(round: int, rank: int, tag: str | None = None) -> str:
+    """``rounds/<round>/ready/rank-<r>.<tag>``, where ``tag`` is the marker's MAC (lower-case hex, see
+    ``exchange/quorum.py``, ``marker_tag``), so a replica that knows what rank r's marker must say can
+    check it from a listing without reading it; ``rounds/<round>/ready/rank-<r>`` without a tag (markers
+    of earlier versions). Raises ``ValueError`` for a tag that is not 1-128 hex digits."""
+    if tag is None:
+        return f"{ready_prefix(round)}/{_rank(rank)}"
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag):
+        raise ValueError(f"a ready marker's tag must be 1-128 lower-case hex digits, got {tag!r}")
+    return f"{ready_prefix(round)}/{_rank(rank)}.{tag}"
 
 
 def abstain_key(round: int, rank: int) -> str:

@@ -10,6 +10,7 @@ import json
 import stat
 import threading
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from diloco_serverless.config import RunConfig
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.errors import CorruptObjectError
+from diloco_serverless.exchange.quorum import ReadyMarker, marker_tag
 from diloco_serverless.run.integrity import (
     MAC_FIELD,
     RUN_KEY_ENV,
@@ -28,6 +30,7 @@ from diloco_serverless.run.integrity import (
     save_local_key,
     verify_json,
 )
+from diloco_serverless.run.layout import ready_key
 from diloco_serverless.run.record import InvalidRun, create_run, load_run, record_launch
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
@@ -141,8 +144,10 @@ def test_signed_exchange_objects_round_trip_and_carry_macs() -> None:
     assert all(isinstance(o, torch.Tensor) for o in outs.values())
     store = ObjectStore(url).child("t")
     quorum = json.loads(store.get("rounds/00000000/quorum.json"))
-    ready = json.loads(store.get("rounds/00000000/ready/rank-0"))
+    (key,) = [k for k in store.list("rounds/00000000/ready") if "/rank-0." in k]
+    ready = json.loads(store.get(key))
     assert verify_json(KEY, "quorum", quorum) and verify_json(KEY, "ready", ready)
+    assert key.endswith("." + ready["mac"])  # the marker is named by its MAC
 
 
 def test_a_forged_quorum_is_refused_by_every_replica() -> None:
@@ -166,6 +171,18 @@ def test_a_forged_ready_marker_is_refused() -> None:
     store.put("rounds/00000000/ready/rank-1", json.dumps(mac_json(OTHER, "ready", marker)).encode())
     with ObjectStoreAllReduce(url, 0, 2, run_id="t", run_key=KEY, **{**FAST, "timeout_s": 5.0}) as ar:
         with pytest.raises(CorruptObjectError, match=r"ready/rank-1.*signature"):
+            ar.allreduce(randn(300, 0))
+
+
+def test_a_ready_marker_named_without_the_run_key_is_read_and_refused() -> None:
+    """Only a holder of the run key can name a marker so that the quorum's writer takes it unread: a tag
+    anyone can compute (the keyless SHA-256) is not that, so the object is read, and its signature fails."""
+    url = _url()
+    store = ObjectStore(url).child("t")
+    marker = ReadyMarker("t", 0, 1, 2, 300, "torch.float32", [300], "fp32", "direct")
+    store.put(ready_key(0, 1, marker_tag(marker, None)), json.dumps(mac_json(OTHER, "ready", asdict(marker))).encode())
+    with ObjectStoreAllReduce(url, 0, 2, run_id="t", run_key=KEY, **{**FAST, "timeout_s": 5.0}) as ar:
+        with pytest.raises(CorruptObjectError, match=r"ready/rank-1\..*signature"):
             ar.allreduce(randn(300, 0))
 
 

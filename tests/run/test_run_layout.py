@@ -47,6 +47,10 @@ def _cfg(run_id: str = "run-a", **kw: object) -> RunConfig:
 
 def test_keys_match_the_documented_layout() -> None:
     assert ready_key(3, 1) == "rounds/00000003/ready/rank-1"
+    assert ready_key(3, 1, "0a9f") == "rounds/00000003/ready/rank-1.0a9f"
+    for bad_tag in ("", "0A9F", "../x", "g1", "a" * 129):
+        with pytest.raises(ValueError, match="tag"):
+            ready_key(3, 1, bad_tag)
     assert quorum_key(0) == "rounds/00000000/quorum.json"
     assert contrib_key(12, 2, 7) == "rounds/00000012/contrib/0002/rank-7"
     assert reduced_key(12, 2) == "rounds/00000012/reduced/0002"

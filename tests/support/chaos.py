@@ -343,7 +343,7 @@ class _Run:
         if req.method != "PUT" or req.rank is None or not req.key.startswith(self.run_prefix):
             return None
         key = req.key[len(self.run_prefix):]
-        m = re.fullmatch(r"rounds/(\d+)/(contrib/\d+|ready|reduced)/?(rank-\d+|\d+)", key)
+        m = re.fullmatch(r"rounds/(\d+)/(contrib/\d+|ready|reduced)/?(rank-\d+|\d+)(?:\.[0-9a-f]+)?", key)
         if m:
             rnd, what, who = int(m.group(1)), m.group(2), m.group(3)
             if stage == "before" and what.startswith("contrib") and who == f"rank-{req.rank}":
