@@ -63,6 +63,9 @@ from diloco_serverless.executors.base import (
 )
 
 SUPERVISOR_MODULE = "diloco_serverless.executors._supervisor"
+#: How long a supervisor with no command line may still look alive before it counts as foreign: an
+#: exiting process's ``/proc/<pid>/cmdline`` is empty for a moment before it becomes a zombie.
+_EXIT_SETTLE_S = 1.0
 
 
 def local_run_path(run_url: str | None) -> Path | None:
@@ -284,8 +287,12 @@ class LocalProcessExecutor:
         if not same_process(pid, start):
             return None
         argv, recorded = proc_cmdline(pid), d.get("cmdline")
+        settle = time.monotonic() + _EXIT_SETTLE_S
+        while argv is None and same_process(pid, start) and time.monotonic() < settle:
+            time.sleep(0.01)  # an exiting process drops its command line a moment before it is a zombie
+            argv = proc_cmdline(pid)
         if argv is None and not same_process(pid, start):
-            return None  # it ended between the two reads (an exiting process has no command line)
+            return None  # it ended between the reads
         parsed = _parse_supervisor_argv(argv) if argv is not None and argv == recorded else None
         if parsed is None or parsed[0] != str(rank):
             seen = "none" if argv is None else " ".join(argv[:4])

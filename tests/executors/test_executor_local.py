@@ -371,3 +371,32 @@ def test_kill_tree_sigkills_what_ignores_sigterm_when_identity_holds() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_supervisor_caught_exiting_is_gone_not_foreign(tmp_path: Path, env: dict[str, str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exiting process loses its command line a moment before it becomes a zombie: a cancel or poll
+    that looks in that moment sees a live pid with no command line. It must wait for the exit to show,
+    not refuse the handle as tampered with (a flake of the test above, from before this wait)."""
+    from diloco_serverless.executors import local
+
+    ex = LocalProcessExecutor(retries=1, poll_interval_s=0.05)
+    handles = ex.launch_replicas(1, FAKE, ["--run-url", env["DILOCO_RUN_URL"], "--sleep-s", "600"], env=env)
+    try:
+        pid = handles[0].data["pid"]
+        looks = {"n": 0}
+        real_same = local.same_process
+
+        def exiting_same(p: int, start: int | None) -> bool:  # alive for three more looks, then gone
+            if p != pid:
+                return real_same(p, start)
+            looks["n"] += 1
+            return looks["n"] <= 3
+
+        monkeypatch.setattr(local, "proc_cmdline", lambda p: None if p == pid else _proc.proc_cmdline(p))
+        monkeypatch.setattr(local, "same_process", exiting_same)
+        assert ex._live_supervisor(handles[0]) is None
+        assert looks["n"] > 3
+    finally:
+        monkeypatch.undo()
+        ex.cancel(handles)
