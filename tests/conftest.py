@@ -161,29 +161,30 @@ def _instrument_gcs_emulator() -> None:
                 response["x-goog-generation"] = str(obj["generation"])
         return download(request, response, storage, *args, **kwargs)
 
+    def refused_create(request: Any, response: Any, storage: Any, name: Callable[[], str]) -> bool:
+        """Answer 412 (and say so) to a create-only write (``ifGenerationMatch=0``) of an existing object
+        (``name()`` is its name)."""
+        if not _GCS_RECORDER.enforce_generation_match or request.query.get("ifGenerationMatch") != ["0"]:
+            return False
+        try:
+            storage.get_file_obj(request.params["bucket_name"], name())
+        except NotFound:
+            return False
+        response.status = gserver.HTTPStatus.PRECONDITION_FAILED
+        response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+        return True
+
     def checked_compose(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
-        if _GCS_RECORDER.enforce_generation_match and request.query.get("ifGenerationMatch") == ["0"]:
-            try:
-                storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
-            except NotFound:
-                pass
-            else:
-                response.status = gserver.HTTPStatus.PRECONDITION_FAILED
-                response.json({"error": {"code": 412, "message": "conditionNotMet"}})
-                return None
+        if refused_create(request, response, storage, lambda: request.params["object_id"]):
+            return None
         return compose(request, response, storage, *args, **kwargs)
 
     def checked_multipart(request: Any, response: Any, storage: Any) -> Any:
-        if _GCS_RECORDER.enforce_generation_match and request.query.get("ifGenerationMatch") == ["0"]:
-            name = request.query.get("name", [None])[0] or request.data["meta"].get("name")
-            try:
-                storage.get_file_obj(request.params["bucket_name"], name)
-            except NotFound:
-                pass
-            else:
-                response.status = gserver.HTTPStatus.PRECONDITION_FAILED
-                response.json({"error": {"code": 412, "message": "conditionNotMet"}})
-                return None
+        def name() -> str:
+            return request.query.get("name", [None])[0] or request.data["meta"].get("name")
+
+        if refused_create(request, response, storage, name):
+            return None
         return multipart(request, response, storage)
 
     recorded_handle._diloco = True  # type: ignore[attr-defined]
