@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,6 +41,7 @@ from diloco_serverless.exchange._io import (
 )
 from diloco_serverless.exchange._io import (
     CountingStore,
+    RoundLayout,
     shard_bounds,
 )
 from diloco_serverless.exchange.codec import (
@@ -52,6 +53,7 @@ from diloco_serverless.exchange.codec import (
     pack,
     validate_codec,
 )
+from diloco_serverless.exchange.direct import DirectRound, mean_of, quorumless, read_entry
 from diloco_serverless.exchange.errors import (
     AbstainedError,
     CorruptObjectError,
@@ -154,6 +156,9 @@ class ObjectStoreAllReduce:
     Raises ``ValueError`` in ``__init__`` for an impossible configuration, saying what to change.
     """
 
+    #: A slice of a multi-device replica's exchange (:mod:`.sliced`): its rounds always have a quorum.
+    _SLICED: ClassVar[bool] = False
+
     def __init__(
         self,
         url: str | ObjectStore,
@@ -237,7 +242,7 @@ class ObjectStoreAllReduce:
         if self.error_feedback and self.codec != "fp32":
             flat = self._add_residual(flat, residual_key)
         self.protocol = resolve(self.topology, self.world_size, max_object_bytes(self.codec, flat.numel()))
-        me = self._marker(r, tensor)
+        me = self._marker(r, tensor, self.protocol)
         rs = _Round(r, me, shard_bounds(flat.numel(), shard_count(self.world_size, self.protocol, me.split)),
                     t0 + self.timeout_s)
         rs.stats = RoundStats(r, [], abstained=abstain or _non_finite(flat))
@@ -246,9 +251,12 @@ class ObjectStoreAllReduce:
         # replica still finds the quorum while it waits for it).
         fresh = self.last_stats is not None and self.last_stats.round == r - 1 and self._attempted != r
         self._attempted = r
-        quorum = self._join(rs, flat, fresh=fresh)
-        rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
-        out = self._gather(rs, quorum)
+        if quorumless(me, sliced=self._SLICED):
+            out = self._quorumless(rs, flat)
+        else:
+            quorum = self._join(rs, flat, fresh=fresh)
+            rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
+            out = self._gather(rs, quorum)
         if self.error_feedback and self.codec != "fp32" and rs.own is not None and not rs.stats.late:
             self._residuals[residual_key] = flat - torch.cat(rs.own)
         self._next_round = r + 1
@@ -268,7 +276,9 @@ class ObjectStoreAllReduce:
         if self._io is None:
             return None
         quorum = read_quorum(self._io, run_id=self.run_id, round=round, run_key=self._run_key)
-        if quorum is None or (unless_participant is not None and unless_participant in quorum.participants):
+        if quorum is None:
+            return self._read_quorumless(round, like, unless_participant)
+        if unless_participant is not None and unless_participant in quorum.participants:
             return None
         ref = quorum.markers[quorum.participants[0]]
         if ref.numel != like.numel():
@@ -337,19 +347,65 @@ class ObjectStoreAllReduce:
                 write_abstention(io, rs.me, rs.stats.abstained, self._run_key)
             waited = time.monotonic()
             rs.stats.phases_s["publish"] = waited - t
-            wait = QuorumWait(
-                self.world_size,
-                self.min_replicas,
-                self.straggler_timeout_s,
-                rs.deadline,
-                self.poll_interval_s,
-                self._run_key,
-            )
-            quorum = wait_for_quorum(io, rs.me, wait, on_ready=lambda ready: self._prefetch(rs, ready))
+            quorum = wait_for_quorum(io, rs.me, self._wait(rs), on_ready=lambda ready: self._prefetch(rs, ready))
             rs.stats.wait_s += time.monotonic() - waited
             rs.stats.phases_s["quorum"] = time.monotonic() - waited
         check_agreement(quorum, rs.me)
         return quorum
+
+    def _wait(self, rs: _Round) -> QuorumWait:
+        return QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline,
+                          self.poll_interval_s, self._run_key)
+
+    def _quorumless(self, rs: _Round, flat: torch.Tensor) -> torch.Tensor:
+        """A direct round without a quorum object (:mod:`~diloco_serverless.exchange.direct`): create our
+        contribution, read everyone's as they appear, sum the contributors' in rank order."""
+        io = self._io
+        assert io is not None and rs.stats is not None
+        t = time.monotonic()
+        round_ = DirectRound(io, rs.me, self._wait(rs))
+        mine = round_.publish(flat, rs.stats.abstained)
+        waited = time.monotonic()
+        rs.stats.phases_s["publish"] = waited - t
+        entries = round_.collect()
+        rs.stats.wait_s += round_.wait_s
+        t = time.monotonic()
+        rs.stats.phases_s["quorum"] = t - waited
+        participants, out = mean_of(entries, rs.me)
+        rs.stats.phases_s["reduce"] = time.monotonic() - t
+        rs.stats.participants, rs.stats.late = participants, self.rank not in participants
+        if mine.values is not None:  # ours, or the one we stored before a restart: what everyone summed
+            rs.own, rs.stats.abstained = [mine.values], None
+        return out
+
+    def _read_quorumless(self, round: int, like: torch.Tensor, unless_participant: int | None) -> torch.Tensor | None:
+        """:meth:`read_reduced` of a round without a quorum object: ``None`` unless every rank's
+        contribution key holds something."""
+        io = self._io
+        assert io is not None
+        me = self._marker(round, like, resolve(self.topology, self.world_size,
+                                               max_object_bytes(self.codec, like.numel())))
+        if not quorumless(me, sliced=self._SLICED):
+            return None
+        keys = {q: contrib_key(round, 0, q) for q in range(self.world_size)}
+        if not set(keys.values()) <= set(io.list(keys[0].rsplit("/", 1)[0])):
+            return None
+        io.expect_round(round, RoundLayout(me.numel, me.world_size, me.codec, me.protocol, me.split))
+        blobs = io.get_many(list(keys.values()), missing_ok=True)
+        if len(blobs) != len(keys):
+            return None  # pruned meanwhile
+        entries = {q: read_entry(blobs[k], key=k, run_id=self.run_id, round=round, rank=q, run_key=self._run_key)
+                   for q, k in keys.items()}
+        ref = next((e.marker for e in entries.values() if e.marker is not None), None)
+        if ref is None or (unless_participant is not None and entries[unless_participant].contributed):
+            return None
+        if ref.numel != like.numel():
+            raise MismatchError(
+                f"round {round} averaged {ref.numel} elements (shape {tuple(ref.shape)}) but the tensor to replay into "
+                f"has {like.numel()} (shape {tuple(like.shape)})"
+            )
+        _, out = mean_of(entries, ref)
+        return out.view(like.shape).to(device=like.device, dtype=like.dtype)
 
     def _publish(self, rs: _Round, flat: torch.Tensor) -> list[torch.Tensor]:
         """PUT our S contribution objects concurrently, then our ready marker; return what others will decode."""
@@ -564,10 +620,10 @@ class ObjectStoreAllReduce:
         if control:
             io.delete(round_prefix(r), recursive=True)
 
-    def _marker(self, r: int, tensor: torch.Tensor) -> ReadyMarker:
+    def _marker(self, r: int, tensor: torch.Tensor, protocol: str) -> ReadyMarker:
         assert self._io is not None
         split = split_for(
-            tensor.numel(), self.world_size, self.protocol, lambda n: max_object_bytes(self.codec, n),
+            tensor.numel(), self.world_size, protocol, lambda n: max_object_bytes(self.codec, n),
             self._io.store.whole_object_max,
         )
         return ReadyMarker(
@@ -579,7 +635,7 @@ class ObjectStoreAllReduce:
             str(tensor.dtype),
             list(tensor.shape),
             self.codec,
-            self.protocol,
+            protocol,
             split,
         )
 

@@ -314,8 +314,15 @@ def verify_header(
         raise CorruptObjectError(
             f"exchange object {key!r} has a header that is a JSON {_json_type(header)}, not an object; refusing it"
         )
-    if expect is None:
-        return header
+    if expect is not None:
+        check_fields(header, key=key, expect=expect)
+    return header
+
+
+def check_fields(header: Mapping[str, Any], *, key: str, expect: ShardHeader) -> None:
+    """Refuse (:class:`CorruptObjectError` naming ``key``) a verified header that lacks a
+    :class:`ShardHeader` field, has one of the wrong type, or differs from ``expect`` in run id,
+    round, shard, kind, rank, codec or element count."""
     for name, (what, ok) in _FIELD_RULES.items():
         if name not in header:
             raise CorruptObjectError(f"exchange object {key!r} has no {name!r} in its header; refusing it")
@@ -331,7 +338,6 @@ def verify_header(
                 f"exchange object {key!r} belongs to {what}: {name}={_clip(header[name])}, expected {want[name]!r}; "
                 "refusing it (is another run using the same store URL and run id?)"
             )
-    return header
 
 
 class _Malformed(CorruptObjectError):
@@ -537,6 +543,13 @@ def decode_shard(data: bytes, *, key: str, expect: ShardHeader, run_key: bytes |
     """
     meta, tensors = _parse_object(data, key=key)
     verify_header(meta, tensors, key=key, expect=expect, run_key=run_key)
+    return decode_checked(tensors, key=key, expect=expect)
+
+
+def decode_checked(tensors: Mapping[str, torch.Tensor], *, key: str, expect: ShardHeader) -> torch.Tensor:
+    """The values of an object whose header already passed :func:`verify_header` against ``expect``
+    (or :func:`unpack` and :func:`check_fields`), as flat fp32; :class:`CorruptObjectError` naming
+    ``key`` for a payload laid out differently from what ``expect.codec`` writes, or for NaN/Inf."""
     try:
         values = decode_values(tensors, expect.codec, expect.numel)
     except ValueError as e:

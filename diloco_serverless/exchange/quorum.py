@@ -320,16 +320,19 @@ def _grace_s(io: CountingStore, p: QuorumWait) -> float:
     return max(4 * p.poll_interval_s, 0.5, 4 * io.round_trip_s)
 
 
-def _check_skipped(io: CountingStore, me: ReadyMarker) -> None:
-    """Raise :class:`RoundPrunedError` if a later round already has a quorum (one recursive listing)."""
+def _check_skipped(io: CountingStore, me: ReadyMarker, *, contributions: bool = False) -> None:
+    """Raise :class:`RoundPrunedError` if a later round already has a quorum, or, with ``contributions``
+    (a round without a quorum object, :mod:`~diloco_serverless.exchange.direct`), a contribution under
+    ``rounds/``: someone finished this round without us (one recursive listing)."""
     later = sorted(
         int(parts[1])
         for parts in (k.split("/") for k in io.list(ROUNDS_PREFIX))
-        if len(parts) == 3 and parts[2] == "quorum.json" and parts[1].isdigit() and int(parts[1]) > me.round
+        if len(parts) >= 3 and parts[1].isdigit() and int(parts[1]) > me.round
+        and ((len(parts) == 3 and parts[2] == "quorum.json") or (contributions and parts[2] == "contrib"))
     )
     if later:
         raise RoundPrunedError(
-            f"round {me.round} has no quorum but round {later[0]} does: the run moved on without this replica "
+            f"round {me.round} is not complete but round {later[0]} has begun: the run moved on without this replica "
             f"(rank {me.rank}) and round {me.round} may have been pruned; heal from the latest checkpoint"
         )
 

@@ -59,6 +59,8 @@ class SlicedAllReduce(ObjectStoreAllReduce):
     slice outside ``0..slices-1``.
     """
 
+    _SLICED = True  # direct rounds too go through the leader's quorum (one quorum for all slices)
+
     def __init__(
         self,
         url: str | ObjectStore,

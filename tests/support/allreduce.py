@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce, RoundStats
+from diloco_serverless.exchange.direct import DirectRound
 
 FAST: dict[str, Any] = dict(timeout_s=20.0, straggler_timeout_s=0.3, takeover_timeout_s=0.3, poll_interval_s=0.02)
 
@@ -54,8 +55,14 @@ def assert_identical(outs: dict[int, list[torch.Tensor]]) -> None:
 
 
 class DiesAfterReady(ObjectStoreAllReduce):
-    """Writes its contributions and ready marker, then 'dies' before reducing its shard."""
+    """Writes its contributions and ready marker (in a round without a quorum: its create-only
+    contribution), then 'dies' before reducing its shard."""
 
     def _publish(self, rs: Any, flat: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[override]
         super()._publish(rs, flat)
         raise SystemExit("simulated death after ready")
+
+    def _quorumless(self, rs: Any, flat: torch.Tensor) -> torch.Tensor:
+        assert self._io is not None
+        DirectRound(self._io, rs.me, self._wait(rs)).publish(flat, None)
+        raise SystemExit("simulated death after its contribution")

@@ -28,8 +28,8 @@ detected from the rank's own store requests as the proxy sees them (exact, unlik
 
 ================  ==============================================================================
 ``before_upload``  at rank r's first contribution PUT of the round: killed before the store acts
-``after_upload``   once the store has stored rank r's ready marker (all its uploads done), before r
-                   hears the answer
+``after_upload``   once the store has stored rank r's ready marker (all its uploads done; in a direct
+                   round without a quorum, its create-only contribution), before r hears the answer
 ``owning_shard``   at rank r's create-only PUT of a reduced shard it owns: killed mid-reduction
 ``checkpoint``     at rank r's PUT of a checkpoint shard (manifest and data position already written)
 ``final``          at rank r's first PUT of a model file under ``final/`` (it holds final/LOCK.json);
@@ -348,7 +348,9 @@ class _Run:
             rnd, what, who = int(m.group(1)), m.group(2), m.group(3)
             if stage == "before" and what.startswith("contrib") and who == f"rank-{req.rank}":
                 return "before_upload", rnd
-            if stage == "after" and what == "ready" and who == f"rank-{req.rank}":
+            # the ready marker, or the create-only contribution that is the vote of a round without a quorum
+            if (stage == "after" and who == f"rank-{req.rank}"
+                    and (what == "ready" or (what.startswith("contrib") and req.create_only))):
                 return "after_upload", rnd
             if stage == "before" and what == "reduced" and req.create_only:
                 return "owning_shard", rnd

@@ -1,0 +1,278 @@
+"""A direct round without a quorum object: each replica's create-only contribution is its vote.
+
+A direct round (:mod:`~diloco_serverless.exchange.topology`: whole tensors, everyone sums everyone's) with
+one piece per replica and its data under ``rounds/`` (N <= 16) needs no ready marker and no
+``quorum.json``. The contribution key of each rank, ``rounds/<r>/contrib/0000/rank-<q>``, is written
+create-only, and it ends up holding exactly one of:
+
+* rank q's **contribution**: its encoded tensor, whose header carries its ready marker (world size,
+  element count, dtype, codec, protocol, split) for the agreement check; or
+* a **tombstone**: an exchange object without values whose header says why rank q is left out: it
+  abstained (written by q itself: its values were not finite), or it had not contributed when another
+  replica's straggler deadline passed with at least ``min_replicas`` contributions (written by that replica).
+
+Whichever create comes first wins, so every replica that lists N keys reads the same N objects, and the
+participants are the ranks holding a contribution: every replica sums the same contributions in rank
+order and returns bit-identical values, without waiting for a quorum to be written and read (two to
+three sequential round trips fewer than a round with one; docs/exchange.md, "Direct rounds without a
+quorum"). A replica that finds a tombstone where its contribution should go is late: it receives the mean
+of the others. A restarted replica that finds its own earlier contribution there takes part with it (the
+bytes every other replica reads). A dead replica's contribution, once stored, is all anyone needs of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import torch
+
+from diloco_serverless.exchange._io import FIRST_POLL_S, CountingStore, RoundLayout, ranks_in
+from diloco_serverless.exchange.codec import (
+    ShardHeader,
+    check_fields,
+    decode_checked,
+    decode_values,
+    encode_values,
+    pack,
+    unpack,
+)
+from diloco_serverless.exchange.errors import AbstainedError, CorruptObjectError, MismatchError
+from diloco_serverless.exchange.quorum import (
+    Quorum,
+    QuorumWait,
+    ReadyMarker,
+    _check_skipped,
+    _grace_s,
+    check_agreement,
+)
+from diloco_serverless.run.layout import contrib_key, spread_count
+
+__all__ = ["DirectRound", "Entry", "quorumless"]
+
+#: The header field that makes an exchange object a tombstone (its value: why the rank is left out).
+EXCLUDED = "excluded"
+
+
+def quorumless(marker: ReadyMarker, sliced: bool = False) -> bool:
+    """Whether a round described by ``marker`` runs without a quorum object: a direct round whose
+    replicas publish one piece each under ``rounds/`` (N <= 16), outside a sliced (multi-device)
+    exchange, whose slices share the leader's quorum. Every replica derives the same answer."""
+    return (not sliced and marker.protocol == "direct" and marker.split == 1
+            and spread_count(marker.world_size) == 1)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What rank ``rank``'s contribution key holds: its contribution (``marker`` and ``values``) or
+    a tombstone (``reason`` it is left out, written by rank ``by``)."""
+
+    rank: int
+    marker: ReadyMarker | None = None
+    values: torch.Tensor | None = None
+    reason: str | None = None
+    by: int | None = None
+
+    @property
+    def contributed(self) -> bool:
+        return self.values is not None
+
+
+def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -> tuple[bytes, torch.Tensor]:
+    """Rank ``me.rank``'s contribution object (its marker in the header) and the values others will decode."""
+    enc = encode_values(values, me.codec)
+    header = {**asdict(_header(me, me.rank)), "marker": asdict(me)}
+    return pack(enc, header, run_key), decode_values(enc, me.codec, me.numel)
+
+
+def tombstone(me: ReadyMarker, rank: int, reason: str, run_key: bytes | None) -> bytes:
+    """The tombstone ``me.rank`` writes at rank ``rank``'s contribution key: why ``rank`` is left out."""
+    header = {"run_id": me.run_id, "round": me.round, "shard": 0, "rank": rank, EXCLUDED: reason[:500],
+              "by": me.rank}
+    return pack({}, header, run_key)
+
+
+def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run_key: bytes | None) -> Entry:
+    """Parse what a contribution key of a quorum-less round holds. :class:`CorruptObjectError` naming
+    ``key`` for bad bytes, a foreign run or round, a wrong rank or a missing signature;
+    :class:`MismatchError` for a contribution of another exchange protocol (a replica configured
+    differently: it carries no ready marker)."""
+    tensors, header = unpack(data, key=key, run_key=run_key)
+    if header.get("run_id") != run_id or header.get("round") != round or header.get("rank") != rank:
+        raise CorruptObjectError(
+            f"exchange object {key!r} belongs to run {header.get('run_id')!r} round {header.get('round')!r} rank "
+            f"{header.get('rank')!r}, expected run {run_id!r} round {round} rank {rank}; refusing it "
+            "(is another run using the same store URL and run id?)"
+        )
+    if EXCLUDED in header:
+        by = header.get("by")
+        if tensors or type(by) is not int:
+            raise CorruptObjectError(f"tombstone {key!r} holds values or names no writer; refusing it")
+        return Entry(rank, reason=" ".join(str(header[EXCLUDED]).split())[:200], by=by)
+    if not isinstance(header.get("marker"), dict):
+        raise MismatchError(
+            f"round {round}: rank {rank} published a contribution of another exchange protocol at {key!r} (no "
+            "ready marker in it) while this replica runs a direct round without a quorum; every replica must "
+            "use the same exchange.topology and store part size"
+        )
+    marker = ReadyMarker.from_json(header["marker"], key=key)
+    if marker.run_id != run_id or marker.round != round or marker.rank != rank:
+        raise CorruptObjectError(f"exchange object {key!r} carries the marker of {marker.describe()}; refusing it")
+    expect = _header(marker, rank)
+    check_fields(header, key=key, expect=expect)
+    return Entry(rank, marker=marker, values=decode_checked(tensors, key=key, expect=expect))
+
+
+def _header(marker: ReadyMarker, rank: int) -> ShardHeader:
+    return ShardHeader(marker.run_id, marker.round, 0, "contrib", marker.codec, marker.numel, rank, marker.dtype,
+                       marker.shape)
+
+
+def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torch.Tensor]:
+    """The participants (ranks holding a contribution) and their mean: summed in rank order in fp32,
+    divided by their count and passed through the codec, the same operations on every replica.
+    :class:`MismatchError` (the same on every replica) if they disagree on what they average."""
+    participants = sorted(q for q, e in entries.items() if e.contributed)
+    if not participants:
+        raise AbstainedError(f"round {me.round}: no replica contributed (every one is tombstoned); nothing to average")
+    markers = {q: entries[q].marker for q in participants}
+    check_agreement(Quorum(me.run_id, me.round, participants, markers, -1), me)  # type: ignore[arg-type]
+    ref = markers[participants[0]]
+    assert ref is not None
+    acc = torch.zeros(ref.numel, dtype=torch.float32)
+    for q in participants:
+        values = entries[q].values
+        assert values is not None
+        acc += values
+    acc /= len(participants)
+    return participants, decode_values(encode_values(acc, ref.codec), ref.codec, ref.numel)
+
+
+class DirectRound:
+    """One quorum-less direct round of replica ``me.rank`` (see the module docstring).
+
+    ``publish`` writes our contribution (or our abstention), ``collect`` waits until every rank's key
+    holds something, writing tombstones for the missing ones once the straggler deadline allows, and
+    :func:`mean_of` turns the result into the round's mean.
+    """
+
+    def __init__(self, io: CountingStore, me: ReadyMarker, wait: QuorumWait) -> None:
+        self.io, self.me, self.p = io, me, wait
+        self.keys = {q: contrib_key(me.round, 0, q) for q in range(me.world_size)}
+        self.prefix = self.keys[0].rsplit("/", 1)[0]
+        self.entries: dict[int, Entry] = {}
+        self.wait_s = 0.0
+        io.expect_round(me.round, RoundLayout(me.numel, me.world_size, me.codec, me.protocol, me.split))
+
+    def publish(self, flat: torch.Tensor, abstain: str | None) -> Entry:
+        """Create our contribution (or, with ``abstain``, our tombstone saying why); if the key already
+        holds something (we are late, or restarted after publishing), that is what counts. Returns it."""
+        key, run_key = self.keys[self.me.rank], self.p.run_key
+        if abstain is None:
+            blob, values = contribution(flat, self.me, run_key)
+            mine = Entry(self.me.rank, marker=self.me, values=values)
+        else:
+            blob, mine = tombstone(self.me, self.me.rank, abstain, run_key), Entry(self.me.rank, reason=abstain,
+                                                                                    by=self.me.rank)
+        if not self.io.put_if_absent(key, blob):
+            mine = self._read(self.me.rank, self.io.get(key))
+        self.entries[self.me.rank] = mine
+        return mine
+
+    def collect(self, on_listing: Callable[[set[int]], None] | None = None) -> dict[int, Entry]:
+        """Poll the round's contribution prefix, reading each object as it appears, until all N keys
+        hold something; returns them by rank. Past our straggler deadline, with ``min_replicas``
+        contributions, tombstones the missing ranks (the lowest contributor at once, anyone else after a
+        grace of four round trips). Raises :class:`AbstainedError` (everywhere alike) when too few can
+        contribute, ``TimeoutError`` naming the missing ranks at the round deadline, and
+        :class:`~diloco_serverless.exchange.errors.RoundPrunedError` if the run moved on."""
+        io, p, n = self.io, self.p, self.me.world_size
+        started = time.monotonic()
+        sleep_s, last_skip_check = min(FIRST_POLL_S, p.poll_interval_s), started - 1.0
+        reading: dict[int, Future[bytes | None]] = {}
+        entitled_since: float | None = None
+        seen = 0
+        while True:
+            present = {q for q in ranks_in(io.list(self.prefix)) if 0 <= q < n} | set(self.entries)
+            for q in sorted(present - set(self.entries) - set(reading)):
+                reading[q] = io.get_async(self.keys[q])
+            if on_listing is not None:
+                on_listing(present)
+            self._take(reading, wait=len(present) == n)
+            if len(self.entries) == n:
+                self._check_enough()
+                return dict(sorted(self.entries.items()))
+            self._check_enough()
+            now = time.monotonic()
+            if now - started >= p.straggler_timeout_s:
+                if now - last_skip_check >= 1.0:  # first: a round the run left behind is never closed by us
+                    _check_skipped(io, self.me, contributions=True)
+                    last_skip_check = now
+                self._take(reading, wait=True)
+                contributors = [q for q, e in self.entries.items() if e.contributed]
+                if len(contributors) >= p.min_replicas:
+                    entitled_since = now if entitled_since is None else entitled_since
+                    if self.me.rank == min(contributors) or now - entitled_since >= _grace_s(io, p):
+                        self._exclude(sorted(set(range(n)) - set(self.entries)))
+                        continue
+            if now >= p.deadline:
+                missing = sorted(set(range(n)) - set(self.entries))
+                raise TimeoutError(
+                    f"round {self.me.round}: ranks {missing} never contributed (contributed: "
+                    f"{sorted(q for q, e in self.entries.items() if e.contributed)}, min_replicas={p.min_replicas}); "
+                    "check those replicas' logs or lower min_replicas"
+                )
+            pause = min(sleep_s, max(0.0, p.deadline - now))
+            time.sleep(pause)
+            self.wait_s += pause
+            if len(present) > seen:  # progress: poll soon again
+                seen, sleep_s = len(present), min(FIRST_POLL_S, p.poll_interval_s)
+            else:
+                sleep_s = min(sleep_s * 1.5, p.poll_interval_s)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _take(self, reading: dict[int, Future[bytes | None]], *, wait: bool) -> None:
+        """Move the finished reads (all of them with ``wait``) from ``reading`` into ``entries``."""
+        for q in sorted(reading):
+            fut = reading[q]
+            if not wait and not fut.done():
+                continue
+            del reading[q]
+            data = fut.result()
+            if data is not None:  # gone again: the round is being pruned; the listing will tell
+                self.entries[q] = self._read(q, data)
+
+    def _read(self, rank: int, data: bytes) -> Entry:
+        return read_entry(data, key=self.keys[rank], run_id=self.me.run_id, round=self.me.round, rank=rank,
+                          run_key=self.p.run_key)
+
+    def _exclude(self, ranks: list[int]) -> None:
+        """Tombstone ``ranks`` (create-only, concurrently); a rank whose contribution won is read instead."""
+        reason = (f"no contribution within rank {self.me.rank}'s straggler deadline "
+                  f"({self.p.straggler_timeout_s:g} s)")
+        if not ranks:
+            return
+        with ThreadPoolExecutor(max_workers=len(ranks), thread_name_prefix=f"exclude-{self.me.rank}") as pool:
+            created = dict(zip(ranks, pool.map(
+                lambda q: self.io.put_if_absent(self.keys[q], tombstone(self.me, q, reason, self.p.run_key)), ranks)))
+        for q in ranks:
+            if created[q]:
+                self.entries[q] = Entry(q, reason=reason, by=self.me.rank)
+
+    def _check_enough(self) -> None:
+        """:class:`AbstainedError` once so many ranks abstained (tombstoned themselves) that ``min_replicas``
+        cannot be met. Ranks tombstoned by another replica do not count: that replica closed the round with
+        enough contributions (under its ``min_replicas``)."""
+        out = {q: e for q, e in self.entries.items() if not e.contributed and e.by == q}
+        if self.me.world_size - len(out) >= self.p.min_replicas:
+            return
+        reasons = "; ".join(f"rank {q}: {e.reason}" for q, e in sorted(out.items()))
+        raise AbstainedError(
+            f"round {self.me.round}: only {self.me.world_size - len(out)} of {self.me.world_size} replicas can "
+            f"contribute and min_replicas={self.p.min_replicas}; left out ({reasons}). Fix the diverging replica "
+            "(lower inner.lr, raise inner.warmup_steps) or set exchange min_replicas lower so the run can go on "
+            "without it"
+        )

@@ -1,0 +1,241 @@
+"""Direct rounds without a quorum object (diloco_serverless.exchange.direct): each rank's create-only
+contribution is its vote, and a tombstone at its key leaves it out.
+
+Threads as replicas on memory:// and file://; ``topology="direct"`` at N <= 16 with one piece per
+replica (no part size on these stores) is such a round.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+from diloco_serverless.exchange.codec import pack, unpack
+from diloco_serverless.exchange.direct import EXCLUDED, quorumless
+from diloco_serverless.exchange.errors import AbstainedError, CorruptObjectError, MismatchError, RoundPrunedError
+from diloco_serverless.exchange.quorum import ReadyMarker
+from diloco_serverless.run.layout import contrib_key, quorum_key, ready_prefix
+from diloco_serverless.store.objectstore import ObjectStore
+from support.allreduce import FAST, DiesAfterReady, assert_identical, randn, run_replicas
+
+DIRECT: dict[str, Any] = {"topology": "direct"}
+
+
+@pytest.fixture(params=["memory", "file"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return f"memory://direct-{uuid.uuid4().hex[:8]}"
+    return (tmp_path / "store").as_uri()
+
+
+def _ints(n: int, seed: int) -> torch.Tensor:
+    """Small integers: sums are exact in fp32 whatever the order."""
+    return torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(seed)).float()
+
+
+def _store(url: str) -> ObjectStore:
+    return ObjectStore(url).child("t")
+
+
+def _header(url: str, round: int, rank: int) -> dict[str, Any]:
+    return unpack(_store(url).get(contrib_key(round, 0, rank)), key="k")[1]
+
+
+def test_which_rounds_go_without_a_quorum() -> None:
+    def marker(n: int, protocol: str = "direct", split: int = 1) -> ReadyMarker:
+        return ReadyMarker("r", 0, 0, n, 10, "torch.float32", [10], "fp32", protocol, split)
+
+    assert quorumless(marker(2)) and quorumless(marker(16))
+    assert not quorumless(marker(17))  # data spread over several prefixes: the quorum's round
+    assert not quorumless(marker(4, split=2)) and not quorumless(marker(4, "flat"))
+    assert not quorumless(marker(2), sliced=True)
+
+
+def test_mean_is_the_flat_mean_with_no_marker_and_no_quorum(url: str) -> None:
+    xs = {r: randn(3001, r) for r in range(4)}
+    outs, errors, stats = run_replicas(url, xs, 4, rounds=2, keep_rounds=None, **DIRECT)
+    flat, _, _ = run_replicas(f"memory://flat-{uuid.uuid4().hex[:8]}", xs, 4, rounds=2, topology="flat")
+    assert not errors
+    assert_identical(outs)
+    for k in range(2):  # the same operations in the same order as the sharded reduce: the same bits
+        assert torch.equal(outs[0][k], flat[0][k])
+    keys = _store(url).list("rounds")
+    assert keys and not [k for k in keys if "/ready/" in k or k.endswith("quorum.json") or "/reduced/" in k]
+    assert stats[2].participants == [0, 1, 2, 3] and not stats[2].late
+    assert _header(url, 1, 2)["marker"]["rank"] == 2  # the contribution carries its ready marker
+    p = 3001 * 4
+    assert stats[1].bytes_up < p + 2048 and 3 * p < stats[1].bytes_down < 3 * p + 8192  # P up, (N-1)P down
+
+
+def test_straggler_is_tombstoned_and_adopts_the_result_when_it_comes(url: str) -> None:
+    xs = {r: _ints(500, r) for r in range(3)}
+    outs, errors, stats = run_replicas(url, {0: xs[0], 1: xs[1]}, 3, min_replicas=2, keep_rounds=None, **DIRECT)
+    assert not errors
+    assert_identical(outs)
+    assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2) and stats[0].participants == [0, 1]
+    tomb = _header(url, 0, 2)
+    assert "straggler deadline" in tomb[EXCLUDED] and tomb["by"] in (0, 1)
+    late = ObjectStoreAllReduce(url, 2, 3, run_id="t", **FAST, **DIRECT)
+    got = late.allreduce(xs[2], round=0)
+    assert torch.equal(got, outs[0][0])  # its values were not averaged in, by anyone
+    assert late.last_stats is not None and late.last_stats.late and late.last_stats.participants == [0, 1]
+    assert _header(url, 0, 2)[EXCLUDED] == tomb[EXCLUDED]  # its create lost to the tombstone
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_contribution_racing_the_tombstones_is_in_for_everyone_or_for_no_one(tmp_path: Path, seed: int) -> None:
+    """Rank 2 arrives around the others' straggler deadline: whichever create wins, all three agree."""
+    url = (tmp_path / "s").as_uri()
+    xs = {r: _ints(800, r) for r in range(3)}
+    delay = FAST["straggler_timeout_s"] * random.Random(seed).uniform(0.7, 1.3)
+    outs: dict[int, torch.Tensor] = {}
+    parts: dict[int, list[int]] = {}
+
+    def one(r: int) -> None:
+        if r == 2:
+            time.sleep(delay)
+        with ObjectStoreAllReduce(url, r, 3, run_id="t", min_replicas=2, **FAST, **DIRECT) as ar:
+            outs[r] = ar.allreduce(xs[r])
+            assert ar.last_stats is not None
+            parts[r] = ar.last_stats.participants
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(outs) == 3 and parts[0] == parts[1] == parts[2]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], sum(xs[q] for q in parts[0]) / len(parts[0]))  # type: ignore[operator]
+
+
+def test_abstention_leaves_the_replica_out_or_fails_everyone_alike(url: str) -> None:
+    xs = {r: _ints(300, r) for r in range(3)}
+    bad = dict(xs)
+    bad[1] = xs[1].clone()
+    bad[1][7] = float("nan")
+    outs, errors, stats = run_replicas(url, bad, 3, min_replicas=2, **DIRECT)
+    assert not errors
+    assert_identical(outs)
+    assert torch.equal(outs[0][0], (xs[0] + xs[2]) / 2)
+    assert stats[0].participants == [0, 2] and stats[1].late and "non-finite" in (stats[1].abstained or "")
+    _, errors, _ = run_replicas(url.replace("direct-", "direct2-") if url.startswith("memory") else url + "2",
+                                bad, 3, **DIRECT)  # min_replicas = 3: nobody waits for the deadline
+    assert set(errors) == {0, 1, 2}
+    assert all(isinstance(e, AbstainedError) and "rank 1" in str(e) and "non-finite" in str(e) for e in errors.values())
+
+
+def test_a_restarted_replica_takes_part_with_what_it_stored_before(url: str) -> None:
+    xs = {r: _ints(400, r) for r in range(2)}
+    _, errors, _ = run_replicas(url, {1: xs[1]}, 2, make=lambda u, r, w, **kw: DiesAfterReady(u, r, w, **kw),
+                                **DIRECT)
+    assert isinstance(errors[1], SystemExit)
+    again = {0: xs[0], 1: xs[1] + 1000}  # the restarted rank 1 computed something else this time
+    outs, errors, stats = run_replicas(url, again, 2, **DIRECT)
+    assert not errors
+    assert_identical(outs)
+    assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2) and stats[1].participants == [0, 1]
+
+
+def test_a_dead_replicas_stored_contribution_is_all_the_others_need(url: str) -> None:
+    xs = {r: _ints(400, r) for r in range(3)}
+
+    def make(u: str, r: int, w: int, **kw: Any) -> ObjectStoreAllReduce:
+        return (DiesAfterReady if r == 0 else ObjectStoreAllReduce)(u, r, w, **kw)
+
+    outs, errors, stats = run_replicas(url, xs, 3, make=make, **DIRECT)
+    assert set(errors) == {0}
+    del outs[0]
+    assert_identical(outs)
+    assert torch.equal(outs[1][0], (xs[0] + xs[1] + xs[2]) / 3) and stats[2].participants == [0, 1, 2]
+
+
+def test_corrupt_and_foreign_contributions_are_refused_by_everyone(url: str) -> None:
+    xs = {r: _ints(400, r) for r in range(3)}
+    store = _store(url)
+    key = contrib_key(0, 0, 2)
+    store.put(key, pack({"values": torch.zeros(400)}, {"run_id": "other", "round": 0, "rank": 2}))
+    _, errors, _ = run_replicas(url, xs, 3, **DIRECT, timeout_s=5.0)
+    assert set(errors) == {0, 1, 2}
+    assert all(isinstance(e, CorruptObjectError) and key in str(e) for e in errors.values())
+    flipped = bytearray(pack({"v": torch.ones(4)}, {"run_id": "t", "round": 1, "rank": 2}))
+    flipped[-1] ^= 0xFF
+    store.put(contrib_key(1, 0, 2), bytes(flipped))
+    _, errors, _ = run_replicas(url, {0: xs[0], 1: xs[1]}, 3, **DIRECT, timeout_s=5.0,
+                                make=lambda u, r, w, **kw: _at_round(1, u, r, w, **kw))
+    assert set(errors) == {0, 1} and all(isinstance(e, CorruptObjectError) for e in errors.values())
+
+
+def _at_round(round: int, *args: Any, **kw: Any) -> ObjectStoreAllReduce:
+    ar = ObjectStoreAllReduce(*args, **kw)
+    ar._next_round = round
+    return ar
+
+
+def test_a_forged_tombstone_without_the_run_key_is_refused(url: str) -> None:
+    key = b"k" * 32
+    xs = {r: _ints(200, r) for r in range(2)}
+    _store(url).put(contrib_key(0, 0, 1), pack({}, {"run_id": "t", "round": 0, "shard": 0, "rank": 1,
+                                                    EXCLUDED: "forged", "by": 0}))
+    _, errors, _ = run_replicas(url, xs, 2, run_key=key, **DIRECT, timeout_s=5.0)
+    assert set(errors) == {0, 1}
+    assert all(isinstance(e, CorruptObjectError) and "signature" in str(e) for e in errors.values())
+
+
+def test_disagreement_is_the_same_mismatch_everywhere(url: str) -> None:
+    xs = {0: randn(100, 0), 1: randn(101, 1), 2: randn(100, 2)}
+    _, errors, _ = run_replicas(url, xs, 3, **DIRECT)
+    assert set(errors) == {0, 1, 2} and all(isinstance(e, MismatchError) for e in errors.values())
+    assert len({str(e) for r, e in errors.items() if r != 1}) == 1
+
+
+def test_a_replica_on_another_topology_is_named(url: str) -> None:
+    xs = {r: _ints(60, r) for r in range(2)}
+
+    def make(u: str, r: int, w: int, **kw: Any) -> ObjectStoreAllReduce:
+        return ObjectStoreAllReduce(u, r, w, **{**kw, "topology": "direct" if r == 0 else "flat"})
+
+    _, errors, _ = run_replicas(url, xs, 2, make=make, timeout_s=3.0)
+    assert isinstance(errors[0], MismatchError) and "exchange.topology" in str(errors[0])
+    assert set(errors) == {0, 1}  # the flat replica waits for a ready marker that never comes, then says so
+
+
+def test_timeout_names_the_missing_ranks(url: str) -> None:
+    xs = {0: randn(100, 0), 1: randn(100, 1)}
+    _, errors, _ = run_replicas(url, xs, 4, timeout_s=0.8, min_replicas=3, **DIRECT)
+    assert set(errors) == {0, 1}
+    assert all(isinstance(e, TimeoutError) and "[2, 3]" in str(e) for e in errors.values())
+    assert not _store(url).list(ready_prefix(0)) and not _store(url).exists(quorum_key(0))
+
+
+def test_read_reduced_replays_a_round_and_skips_it_for_a_participant(url: str) -> None:
+    xs = {r: randn(777, r) for r in range(3)}
+    outs, errors, _ = run_replicas(url, {0: xs[0], 1: xs[1]}, 3, rounds=2, keep_rounds=None, min_replicas=2,
+                                   codec="bf16", **DIRECT)
+    assert not errors
+    ar = ObjectStoreAllReduce(url, 2, 3, run_id="t", codec="bf16", **FAST, **DIRECT)
+    for k in range(2):
+        got = ar.read_reduced(k, xs[2])
+        assert got is not None and torch.equal(got, outs[1][k])
+        assert ar.read_reduced(k, xs[2], unless_participant=0) is None  # rank 0 re-trains it instead
+        assert ar.read_reduced(k, xs[2], unless_participant=2) is not None  # rank 2 was left out
+    assert ar.read_reduced(5, xs[2]) is None
+    with pytest.raises(MismatchError, match="777"):
+        ObjectStoreAllReduce(url, 2, 3, run_id="t", codec="bf16", **FAST, **DIRECT).read_reduced(0, torch.zeros(778))
+
+
+def test_replica_behind_a_pruned_round_is_told_to_heal_and_closes_nothing(url: str) -> None:
+    xs = {r: _ints(100, r) for r in range(2)}
+    run_replicas(url, xs, 2, rounds=3, keep_rounds=1, **DIRECT)
+    ar = ObjectStoreAllReduce(url, 0, 2, run_id="t", **{**FAST, "min_replicas": 1}, **DIRECT)
+    with pytest.raises(RoundPrunedError, match="round 0.*checkpoint"):
+        ar.allreduce(xs[0], round=0)
+    assert not _store(url).exists(contrib_key(0, 0, 1))  # no tombstone for rank 1 in a round the run left
