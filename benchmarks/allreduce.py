@@ -217,6 +217,10 @@ def replica_main(
     if hedge != "default":
         transfer = dataclasses.replace(transfer, hedge_quantile=None if hedge == "off" else float(hedge))
     store = ObjectStore(url, opts or None, retry=RetryPolicy(timeout_s=STORE_TIMEOUT_S), transfer=transfer)
+    # One untimed small exchange before the first case (the parent resets its counters after it): both
+    # methods then start with open connections and the hedge's latency history. Without it the first case,
+    # always a sharded one, was the only cold one.
+    naive_allreduce(store, rank, n, "bench-warmup", torch.zeros(1024), "fp32")
     for i, case in enumerate(cases):
         x = torch.randn(case.p_mb * MB // 4, generator=torch.Generator().manual_seed(1000 * case.p_mb + rank))
         ar = ObjectStoreAllReduce(

@@ -23,7 +23,6 @@ bytes every other replica reads). A dead replica's contribution, once stored, is
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -181,7 +180,7 @@ class DirectRound:
         self.entries[self.me.rank] = mine
         return mine
 
-    def collect(self, on_listing: Callable[[set[int]], None] | None = None) -> dict[int, Entry]:
+    def collect(self) -> dict[int, Entry]:
         """Poll the round's contribution prefix, reading each object as it appears, until all N keys
         hold something; returns them by rank. Past our straggler deadline, with ``min_replicas``
         contributions, tombstones the missing ranks (the lowest contributor at once, anyone else after a
@@ -198,8 +197,6 @@ class DirectRound:
             present = {q for q in ranks_in(io.list(self.prefix)) if 0 <= q < n} | set(self.entries)
             for q in sorted(present - set(self.entries) - set(reading)):
                 reading[q] = io.get_async(self.keys[q])
-            if on_listing is not None:
-                on_listing(present)
             self._take(reading, wait=len(present) == n)
             if len(self.entries) == n:
                 self._check_enough()
