@@ -39,6 +39,27 @@ def test_mean_over_gcs_emulator(gcs_store_url: str, gcs_storage_options: dict[st
     assert len(creates) >= 3  # quorum.json + reduced/0000 + reduced/0001 are create-only
 
 
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_direct_round_without_a_quorum_tombstones_a_straggler(backend: str, request: pytest.FixtureRequest) -> None:
+    """On a real protocol server: create-only contributions, a tombstone for the absent rank, and the late
+    rank's create refused (S3 If-None-Match, GCS ifGenerationMatch=0), so it adopts the others' mean."""
+    if backend == "gcs":
+        request.getfixturevalue("gcs_requests").enforce_generation_match = True
+    url = request.getfixturevalue(f"{backend}_store_url")
+    opts = request.getfixturevalue(f"{backend}_storage_options")
+    xs = {r: randn(3_000, r) for r in range(3)}
+    outs, errors, stats = run_replicas(url, {0: xs[0], 1: xs[1]}, 3, min_replicas=2, topology="direct",
+                                       keep_rounds=None, storage_options=opts)
+    assert not errors
+    assert_identical(outs)
+    assert stats[0].participants == [0, 1]
+    late = ObjectStoreAllReduce(url, 2, 3, run_id="t", topology="direct", storage_options=opts, **FAST)
+    assert torch.equal(late.allreduce(xs[2], round=0), outs[0][0])
+    assert late.last_stats is not None and late.last_stats.late
+    store = ObjectStore(url, opts).child("t")
+    assert not [k for k in store.list("rounds/00000000") if "/ready/" in k or k.endswith("quorum.json")]
+
+
 def test_the_exchange_cuts_its_gcs_objects_to_the_part_size(
         gcs_store_url: str, gcs_storage_options: dict[str, Any], gcs_requests: Any) -> None:
     """One GCS upload is one connection's stream: above the part size the exchange cuts the tensor into

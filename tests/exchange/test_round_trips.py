@@ -6,6 +6,7 @@ request with the rank that sent it.
 - The replica that writes ``quorum.json`` does not read it back.
 - A round after one the replica finished does not start with a quorum read.
 - Reduced shards are listed, then only those that exist are fetched (no GET that misses).
+- A small direct round sends what the naive exchange sends: one PUT, listings, one GET per peer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.errors import MismatchError
-from diloco_serverless.run.layout import quorum_key, ready_key
+from diloco_serverless.run.layout import contrib_key, quorum_key, ready_key
 from diloco_serverless.store._transfer import MIN_PART_SIZE, TransferPolicy
 from support.allreduce import assert_identical, run_replicas
 from support.store_emulator import Request, StoreEmulator, client_options
@@ -174,3 +175,24 @@ def test_a_replica_puts_its_reduced_shards_concurrently(s3_server: str, bucket: 
         assert len(puts) == 2, [r.key for r in puts]
         first, second = sorted(puts, key=lambda r: r.arrived)
         assert second.arrived < first.answered, f"rank {rank} PUT its reduced shards one after the other"
+
+
+def test_a_small_direct_round_sends_the_naive_exchanges_requests(emu: StoreEmulator, bucket: str) -> None:
+    """A direct round without a quorum: per replica one (create-only) PUT, listings, and one GET per peer;
+    no ready marker, no quorum.json, no HEAD, no GET that misses."""
+    xs = {r: _ints(3000, r) for r in range(3)}
+    outs, errors, stats = run_replicas(f"s3://{bucket}", xs, 3, rounds=2, make=_maker(emu.url), topology="auto")
+    assert not errors
+    assert_identical(outs)
+    assert torch.equal(outs[0][1], (xs[0] + xs[1] + xs[2]) * 2 / 3)
+    log = emu.requests()
+    assert not [r for r in log if "/ready/" in r.key or r.key.endswith("quorum.json") or "/reduced/" in r.key]
+    assert not [r for r in log if r.method == "HEAD" or (r.method == "GET" and r.status == 404)]
+    for rank in range(3):
+        mine = [r for r in log if r.client == f"rank-{rank}"]
+        for rnd in (0, 1):
+            puts = [r.key for r in mine if r.method == "PUT" and f"/{rnd:08d}/" in r.key]
+            assert puts == [f"t/{contrib_key(rnd, 0, rank)}"]
+            got = {r.key.rsplit("/", 1)[-1] for r in mine if r.method == "GET" and f"/{rnd:08d}/contrib/" in r.key}
+            assert got == {f"rank-{q}" for q in range(3) if q != rank}
+    assert stats[0].participants == [0, 1, 2]
