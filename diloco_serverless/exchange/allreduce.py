@@ -41,7 +41,6 @@ from diloco_serverless.exchange._io import (
 )
 from diloco_serverless.exchange._io import (
     CountingStore,
-    RoundLayout,
     shard_bounds,
 )
 from diloco_serverless.exchange.codec import (
@@ -53,7 +52,7 @@ from diloco_serverless.exchange.codec import (
     pack,
     validate_codec,
 )
-from diloco_serverless.exchange.direct import DirectRound, mean_of, quorumless, read_entry
+from diloco_serverless.exchange.direct import DirectRound, mean_of, quorumless
 from diloco_serverless.exchange.errors import (
     AbstainedError,
     CorruptObjectError,
@@ -252,7 +251,7 @@ class ObjectStoreAllReduce:
         fresh = self.last_stats is not None and self.last_stats.round == r - 1 and self._attempted != r
         self._attempted = r
         if quorumless(me, sliced=self._SLICED):
-            out = self._quorumless(rs, flat)
+            out = self._quorumless(rs, flat, fresh=fresh)
         else:
             quorum = self._join(rs, flat, fresh=fresh)
             rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
@@ -357,14 +356,14 @@ class ObjectStoreAllReduce:
         return QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline,
                           self.poll_interval_s, self._run_key)
 
-    def _quorumless(self, rs: _Round, flat: torch.Tensor) -> torch.Tensor:
+    def _quorumless(self, rs: _Round, flat: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
         """A direct round without a quorum object (:mod:`~diloco_serverless.exchange.direct`): create our
-        contribution, read everyone's as they appear, sum the contributors' in rank order."""
+        vote, read everyone's as they appear, sum the contributors' in rank order."""
         io = self._io
         assert io is not None and rs.stats is not None
         t = time.monotonic()
         round_ = DirectRound(io, rs.me, self._wait(rs))
-        mine = round_.publish(flat, rs.stats.abstained)
+        mine = round_.publish(flat, rs.stats.abstained, fresh=fresh)
         waited = time.monotonic()
         rs.stats.phases_s["publish"] = waited - t
         entries = round_.collect()
@@ -387,15 +386,9 @@ class ObjectStoreAllReduce:
                                                max_object_bytes(self.codec, like.numel())))
         if not quorumless(me, sliced=self._SLICED):
             return None
-        keys = {q: contrib_key(round, 0, q) for q in range(self.world_size)}
-        if not set(keys.values()) <= set(io.list(keys[0].rsplit("/", 1)[0])):
+        entries = DirectRound(io, me, self._wait(_Round(round, me, [], time.monotonic() + self.timeout_s))).stored()
+        if entries is None:
             return None
-        io.expect_round(round, RoundLayout(me.numel, me.world_size, me.codec, me.protocol, me.split))
-        blobs = io.get_many(list(keys.values()), missing_ok=True)
-        if len(blobs) != len(keys):
-            return None  # pruned meanwhile
-        entries = {q: read_entry(blobs[k], key=k, run_id=self.run_id, round=round, rank=q, run_key=self._run_key)
-                   for q, k in keys.items()}
         ref = next((e.marker for e in entries.values() if e.marker is not None), None)
         if ref is None or (unless_participant is not None and entries[unless_participant].contributed):
             return None

@@ -1,38 +1,42 @@
-"""A direct round without a quorum object: each replica's create-only contribution is its vote.
+"""A direct round without a quorum object: each replica's create-only vote says it contributed.
 
 A direct round (:mod:`~diloco_serverless.exchange.topology`: whole tensors, everyone sums everyone's) with
-one piece per replica and its data under ``rounds/`` (N <= 16) needs no ready marker and no
-``quorum.json``. The contribution key of each rank, ``rounds/<r>/contrib/0000/rank-<q>``, is written
-create-only, and it ends up holding exactly one of:
+its data under ``rounds/`` (N <= 16) needs no ready marker and no ``quorum.json``. Each rank q has a
+vote key, written create-only: its contribution key ``rounds/<r>/contrib/0000/rank-<q>`` when its share
+is one object, else ``rounds/<r>/votes/rank-<q>``, written after the ``split`` pieces of its share
+(``contrib/<j>/rank-<q>``). The vote key ends up holding exactly one of:
 
-* rank q's **contribution**: its encoded tensor, whose header carries its ready marker (world size,
-  element count, dtype, codec, protocol, split) for the agreement check; or
+* rank q's **vote**: its ready marker (world size, element count, dtype, codec, protocol, split) in the
+  header, for the agreement check, with its values when its share is one object; or
 * a **tombstone**: an exchange object without values whose header says why rank q is left out: it
   abstained (written by q itself: its values were not finite), or it had not contributed when another
   replica's straggler deadline passed with at least ``min_replicas`` contributions (written by that replica).
 
 Whichever create comes first wins, so every replica that lists N keys reads the same N objects, and the
-participants are the ranks holding a contribution: every replica sums the same contributions in rank
-order and returns bit-identical values, without waiting for a quorum to be written and read (two to
-three sequential round trips fewer than a round with one; docs/exchange.md, "Direct rounds without a
-quorum"). A replica that finds a tombstone where its contribution should go is late: it receives the mean
-of the others. A restarted replica that finds its own earlier contribution there takes part with it (the
-bytes every other replica reads). A dead replica's contribution, once stored, is all anyone needs of it.
+participants are the ranks holding a vote: every replica sums the same contributions in rank order and
+returns bit-identical values, without waiting for a quorum to be written and read (two to three
+sequential round trips fewer than a round with one; docs/exchange.md, "Direct rounds without a
+quorum"). A replica that finds a tombstone where its vote should go is late: it receives the mean of the
+others. A restarted replica that finds its own earlier vote there takes part with what it stored then
+(the bytes every other replica reads; with pieces, it checks for its vote before rewriting any). A dead
+replica's stored contribution is all anyone needs of it.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from diloco_serverless.exchange._io import FIRST_POLL_S, CountingStore, RoundLayout, ranks_in
+from diloco_serverless.errors import ExchangeError
+from diloco_serverless.exchange._io import FIRST_POLL_S, CountingStore, RoundLayout, ranks_in, shard_bounds
 from diloco_serverless.exchange.codec import (
     ShardHeader,
     check_fields,
     decode_checked,
+    decode_shard,
     decode_values,
     encode_values,
     pack,
@@ -47,25 +51,31 @@ from diloco_serverless.exchange.quorum import (
     _grace_s,
     check_agreement,
 )
-from diloco_serverless.run.layout import contrib_key, spread_count
+from diloco_serverless.run.layout import contrib_key, spread_count, vote_key
 
-__all__ = ["DirectRound", "Entry", "quorumless"]
+__all__ = ["DirectRound", "Entry", "mean_of", "quorumless", "read_entry"]
 
 #: The header field that makes an exchange object a tombstone (its value: why the rank is left out).
 EXCLUDED = "excluded"
 
 
 def quorumless(marker: ReadyMarker, sliced: bool = False) -> bool:
-    """Whether a round described by ``marker`` runs without a quorum object: a direct round whose
-    replicas publish one piece each under ``rounds/`` (N <= 16), outside a sliced (multi-device)
-    exchange, whose slices share the leader's quorum. Every replica derives the same answer."""
-    return (not sliced and marker.protocol == "direct" and marker.split == 1
-            and spread_count(marker.world_size) == 1)
+    """Whether a round described by ``marker`` runs without a quorum object: a direct round whose data
+    lives under ``rounds/`` (N <= 16), outside a sliced (multi-device) exchange, whose slices share the
+    leader's quorum. Every replica derives the same answer."""
+    return not sliced and marker.protocol == "direct" and spread_count(marker.world_size) == 1
+
+
+def vote_keys(marker: ReadyMarker) -> dict[int, str]:
+    """Each rank's vote key in the round ``marker`` describes: its contribution when its share is one
+    object, else ``votes/rank-<q>``."""
+    r, n = marker.round, marker.world_size
+    return {q: contrib_key(r, 0, q) if marker.split == 1 else vote_key(r, q) for q in range(n)}
 
 
 @dataclass(frozen=True)
 class Entry:
-    """What rank ``rank``'s contribution key holds: its contribution (``marker`` and ``values``) or
+    """What rank ``rank``'s vote key holds: its vote (``marker``; ``values`` once its pieces are read) or
     a tombstone (``reason`` it is left out, written by rank ``by``)."""
 
     rank: int
@@ -76,7 +86,7 @@ class Entry:
 
     @property
     def contributed(self) -> bool:
-        return self.values is not None
+        return self.marker is not None
 
 
 def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -> tuple[bytes, torch.Tensor]:
@@ -84,6 +94,18 @@ def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -
     enc = encode_values(values, me.codec)
     header = {**asdict(_header(me, me.rank)), "marker": asdict(me)}
     return pack(enc, header, run_key), decode_values(enc, me.codec, me.numel)
+
+
+def vote(me: ReadyMarker, run_key: bytes | None) -> bytes:
+    """Rank ``me.rank``'s vote when its share is cut into pieces: its marker, no values."""
+    header = {"run_id": me.run_id, "round": me.round, "shard": 0, "rank": me.rank, "marker": asdict(me)}
+    return pack({}, header, run_key)
+
+
+def piece_header(marker: ReadyMarker, j: int, bounds: tuple[int, int]) -> ShardHeader:
+    """The header of piece ``j`` (values ``bounds``) of ``marker.rank``'s share."""
+    return ShardHeader(marker.run_id, marker.round, j, "contrib", marker.codec, bounds[1] - bounds[0], marker.rank,
+                       marker.dtype, marker.shape)
 
 
 def tombstone(me: ReadyMarker, rank: int, reason: str, run_key: bytes | None) -> bytes:
@@ -94,10 +116,11 @@ def tombstone(me: ReadyMarker, rank: int, reason: str, run_key: bytes | None) ->
 
 
 def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run_key: bytes | None) -> Entry:
-    """Parse what a contribution key of a quorum-less round holds. :class:`CorruptObjectError` naming
-    ``key`` for bad bytes, a foreign run or round, a wrong rank or a missing signature;
-    :class:`MismatchError` for a contribution of another exchange protocol (a replica configured
-    differently: it carries no ready marker)."""
+    """Parse what a vote key of a quorum-less round holds (a vote of a share in pieces has no values:
+    ``values`` is ``None`` until they are read). :class:`CorruptObjectError` naming ``key`` for bad bytes,
+    a foreign run or round, a wrong rank or a missing signature; :class:`MismatchError` for a
+    contribution of another exchange protocol (a replica configured differently: it carries no ready
+    marker)."""
     tensors, header = unpack(data, key=key, run_key=run_key)
     if header.get("run_id") != run_id or header.get("round") != round or header.get("rank") != rank:
         raise CorruptObjectError(
@@ -119,6 +142,10 @@ def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run
     marker = ReadyMarker.from_json(header["marker"], key=key)
     if marker.run_id != run_id or marker.round != round or marker.rank != rank:
         raise CorruptObjectError(f"exchange object {key!r} carries the marker of {marker.describe()}; refusing it")
+    if marker.split > 1:
+        if tensors:
+            raise CorruptObjectError(f"vote {key!r} of a share in {marker.split} pieces holds values; refusing it")
+        return Entry(rank, marker=marker)
     expect = _header(marker, rank)
     check_fields(header, key=key, expect=expect)
     return Entry(rank, marker=marker, values=decode_checked(tensors, key=key, expect=expect))
@@ -146,7 +173,9 @@ def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torc
         assert values is not None
         acc += values
     acc /= len(participants)
-    return participants, decode_values(encode_values(acc, ref.codec), ref.codec, ref.numel)
+    # through the codec piece by piece, as the pieces were encoded (and as a quorum's direct round does)
+    return participants, torch.cat([decode_values(encode_values(acc[a:b], ref.codec), ref.codec, b - a)
+                                    for a, b in shard_bounds(ref.numel, ref.split)])
 
 
 class DirectRound:
@@ -159,26 +188,47 @@ class DirectRound:
 
     def __init__(self, io: CountingStore, me: ReadyMarker, wait: QuorumWait) -> None:
         self.io, self.me, self.p = io, me, wait
-        self.keys = {q: contrib_key(me.round, 0, q) for q in range(me.world_size)}
+        self.keys = vote_keys(me)
         self.prefix = self.keys[0].rsplit("/", 1)[0]
         self.entries: dict[int, Entry] = {}
+        self.pieces: dict[int, list[Future[bytes | None]]] = {}  # rank -> GETs of its pieces under way
         self.wait_s = 0.0
         io.expect_round(me.round, RoundLayout(me.numel, me.world_size, me.codec, me.protocol, me.split))
 
-    def publish(self, flat: torch.Tensor, abstain: str | None) -> Entry:
-        """Create our contribution (or, with ``abstain``, our tombstone saying why); if the key already
-        holds something (we are late, or restarted after publishing), that is what counts. Returns it."""
-        key, run_key = self.keys[self.me.rank], self.p.run_key
-        if abstain is None:
-            blob, values = contribution(flat, self.me, run_key)
-            mine = Entry(self.me.rank, marker=self.me, values=values)
+    def publish(self, flat: torch.Tensor, abstain: str | None, *, fresh: bool = False) -> Entry:
+        """Create our vote (our contribution, its pieces first when it is cut; with ``abstain``, our
+        tombstone saying why); if the key already holds something (we are late, or restarted after
+        voting), that is what counts. Unless ``fresh`` (a first try, see ``ObjectStoreAllReduce``), a
+        share in pieces checks for our vote before rewriting any piece. Returns our entry."""
+        key, run_key, me = self.keys[self.me.rank], self.p.run_key, self.me
+        if me.split > 1 and not fresh:
+            stored = self.io.get_or_none(key)
+            if stored is not None:
+                return self._settle(self._read(me.rank, stored))
+        if abstain is not None:
+            blob, mine = tombstone(me, me.rank, abstain, run_key), Entry(me.rank, reason=abstain, by=me.rank)
+        elif me.split == 1:
+            blob, values = contribution(flat, me, run_key)
+            mine = Entry(me.rank, marker=me, values=values)
         else:
-            blob, mine = tombstone(self.me, self.me.rank, abstain, run_key), Entry(self.me.rank, reason=abstain,
-                                                                                    by=self.me.rank)
+            blob, mine = vote(me, run_key), Entry(me.rank, marker=me, values=self._put_pieces(flat))
         if not self.io.put_if_absent(key, blob):
-            mine = self._read(self.me.rank, self.io.get(key))
-        self.entries[self.me.rank] = mine
+            return self._settle(self._read(me.rank, self.io.get(key)))
+        self.entries[me.rank] = mine
         return mine
+
+    def stored(self) -> dict[int, Entry] | None:
+        """Every rank's entry of a round that is over (for replay), or ``None`` unless all N vote keys
+        hold something."""
+        if not set(self.keys.values()) <= set(self.io.list(self.prefix)):
+            return None
+        blobs = self.io.get_many(list(self.keys.values()), missing_ok=True)
+        if len(blobs) != len(self.keys):
+            return None  # pruned meanwhile
+        for q, k in self.keys.items():
+            self._add(self._read(q, blobs[k]))
+        self._read_pieces()
+        return dict(sorted(self.entries.items()))
 
     def collect(self) -> dict[int, Entry]:
         """Poll the round's contribution prefix, reading each object as it appears, until all N keys
@@ -200,6 +250,7 @@ class DirectRound:
             self._take(reading, wait=len(present) == n)
             if len(self.entries) == n:
                 self._check_enough()
+                self._read_pieces()
                 return dict(sorted(self.entries.items()))
             self._check_enough()
             now = time.monotonic()
@@ -240,7 +291,51 @@ class DirectRound:
             del reading[q]
             data = fut.result()
             if data is not None:  # gone again: the round is being pruned; the listing will tell
-                self.entries[q] = self._read(q, data)
+                self._add(self._read(q, data))
+
+    def _add(self, entry: Entry) -> None:
+        """Record ``entry``; a vote of a share in pieces starts the GETs of its pieces."""
+        self.entries[entry.rank] = entry
+        if entry.marker is not None and entry.values is None:
+            keys = [contrib_key(self.me.round, j, entry.rank) for j in range(entry.marker.split)]
+            self.pieces[entry.rank] = [self.io.get_async(k) for k in keys]
+
+    def _read_pieces(self) -> None:
+        """Wait for the pieces of every vote read and decode them into its entry. A missing piece of a
+        rank that voted is an error: pieces are written before the vote."""
+        for q in sorted(self.pieces):
+            marker = self.entries[q].marker
+            assert marker is not None
+            values = []
+            for j, (fut, b) in enumerate(zip(self.pieces.pop(q), shard_bounds(marker.numel, marker.split))):
+                key, data = contrib_key(self.me.round, j, q), fut.result()
+                if data is None:
+                    raise ExchangeError(
+                        f"round {self.me.round}: piece {key!r} of rank {q} is missing although its vote exists; the "
+                        "round was pruned or the store lost it — restart the round"
+                    )
+                values.append(decode_shard(data, key=key, expect=piece_header(marker, j, b), run_key=self.p.run_key))
+            self.entries[q] = replace(self.entries[q], values=torch.cat(values))
+
+    def _settle(self, entry: Entry) -> Entry:
+        """Our entry as the store holds it (we were late, or restarted after voting), with its values."""
+        self._add(entry)
+        self._read_pieces()
+        return self.entries[entry.rank]
+
+    def _put_pieces(self, flat: torch.Tensor) -> torch.Tensor:
+        """PUT our share's pieces concurrently; returns the values others will decode."""
+        me, bounds = self.me, shard_bounds(self.me.numel, self.me.split)
+
+        def one(j: int) -> torch.Tensor:
+            a, b = bounds[j]
+            enc = encode_values(flat[a:b], me.codec)
+            header = asdict(piece_header(me, j, (a, b)))
+            self.io.put(contrib_key(me.round, j, me.rank), pack(enc, header, self.p.run_key))
+            return decode_values(enc, me.codec, b - a)
+
+        with ThreadPoolExecutor(max_workers=min(len(bounds), 32), thread_name_prefix=f"pieces-{me.rank}") as pool:
+            return torch.cat(list(pool.map(one, range(len(bounds)))))
 
     def _read(self, rank: int, data: bytes) -> Entry:
         return read_entry(data, key=self.keys[rank], run_id=self.me.run_id, round=self.me.round, rank=rank,
@@ -257,7 +352,7 @@ class DirectRound:
                 lambda q: self.io.put_if_absent(self.keys[q], tombstone(self.me, q, reason, self.p.run_key)), ranks)))
         for q in ranks:
             if created[q]:
-                self.entries[q] = Entry(q, reason=reason, by=self.me.rank)
+                self._add(Entry(q, reason=reason, by=self.me.rank))
 
     def _check_enough(self) -> None:
         """:class:`AbstainedError` once so many ranks abstained (tombstoned themselves) that ``min_replicas``

@@ -322,13 +322,13 @@ def _grace_s(io: CountingStore, p: QuorumWait) -> float:
 
 def _check_skipped(io: CountingStore, me: ReadyMarker, *, contributions: bool = False) -> None:
     """Raise :class:`RoundPrunedError` if a later round already has a quorum, or, with ``contributions``
-    (a round without a quorum object, :mod:`~diloco_serverless.exchange.direct`), a contribution under
-    ``rounds/``: someone finished this round without us (one recursive listing)."""
+    (a round without a quorum object, :mod:`~diloco_serverless.exchange.direct`), a contribution or vote
+    under ``rounds/``: someone finished this round without us (one recursive listing)."""
     later = sorted(
         int(parts[1])
         for parts in (k.split("/") for k in io.list(ROUNDS_PREFIX))
         if len(parts) >= 3 and parts[1].isdigit() and int(parts[1]) > me.round
-        and ((len(parts) == 3 and parts[2] == "quorum.json") or (contributions and parts[2] == "contrib"))
+        and ((len(parts) == 3 and parts[2] == "quorum.json") or (contributions and parts[2] in ("contrib", "votes")))
     )
     if later:
         raise RoundPrunedError(

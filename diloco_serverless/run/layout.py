@@ -90,6 +90,13 @@ def ready_key(round: int, rank: int, tag: str | None = None) -> str:
     return f"{ready_prefix(round)}/{_rank(rank)}.{tag}"
 
 
+def vote_key(round: int, rank: int) -> str:
+    """``rounds/<round>/votes/rank-<r>``: rank r's create-only vote in a direct round without a quorum
+    whose shares are cut into pieces (``exchange/direct.py``): written after all its pieces, or a
+    tombstone that leaves r out."""
+    return f"{round_prefix(round)}/votes/{_rank(rank)}"
+
+
 def abstain_key(round: int, rank: int) -> str:
     """``rounds/<round>/ready/abstain-<r>``: rank r will not contribute to the round (its values were
     not finite). Beside the ready markers, so the one listing that finds who is ready finds it too."""

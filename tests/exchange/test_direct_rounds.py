@@ -1,8 +1,10 @@
 """Direct rounds without a quorum object (diloco_serverless.exchange.direct): each rank's create-only
 contribution is its vote, and a tombstone at its key leaves it out.
 
-Threads as replicas on memory:// and file://; ``topology="direct"`` at N <= 16 with one piece per
-replica (no part size on these stores) is such a round.
+Threads as replicas on memory:// and file://; ``topology="direct"`` at N <= 16 is such a round. These
+stores have no part size, so each share is one object (the contribution is the vote); the ``pieces``
+fixture also runs tests with shares cut into 3 pieces and a separate vote, as a store with a part size
+would cut a large tensor.
 """
 
 from __future__ import annotations
@@ -17,16 +19,26 @@ from typing import Any
 import pytest
 import torch
 
-from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce, _Round
 from diloco_serverless.exchange.codec import pack, unpack
-from diloco_serverless.exchange.direct import EXCLUDED, quorumless
+from diloco_serverless.exchange.direct import EXCLUDED, DirectRound, quorumless
 from diloco_serverless.exchange.errors import AbstainedError, CorruptObjectError, MismatchError, RoundPrunedError
 from diloco_serverless.exchange.quorum import ReadyMarker
-from diloco_serverless.run.layout import contrib_key, quorum_key, ready_prefix
+from diloco_serverless.run.layout import contrib_key, quorum_key, ready_prefix, vote_key
 from diloco_serverless.store.objectstore import ObjectStore
 from support.allreduce import FAST, DiesAfterReady, assert_identical, randn, run_replicas
 
 DIRECT: dict[str, Any] = {"topology": "direct"}
+
+
+@pytest.fixture(params=[1, 3], ids=["whole", "pieces"])
+def pieces(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Pieces per share of a direct round (split_for's answer)."""
+    import diloco_serverless.exchange.allreduce as exchange
+
+    split = int(request.param)
+    monkeypatch.setattr(exchange, "split_for", lambda numel, n, protocol, *a: split if protocol == "direct" else 1)
+    return split
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -45,8 +57,10 @@ def _store(url: str) -> ObjectStore:
     return ObjectStore(url).child("t")
 
 
-def _header(url: str, round: int, rank: int) -> dict[str, Any]:
-    return unpack(_store(url).get(contrib_key(round, 0, rank)), key="k")[1]
+def _header(url: str, round: int, rank: int, pieces: int = 1) -> dict[str, Any]:
+    """The header of rank ``rank``'s vote in ``round``."""
+    key = contrib_key(round, 0, rank) if pieces == 1 else vote_key(round, rank)
+    return unpack(_store(url).get(key), key=key)[1]
 
 
 def test_which_rounds_go_without_a_quorum() -> None:
@@ -54,12 +68,13 @@ def test_which_rounds_go_without_a_quorum() -> None:
         return ReadyMarker("r", 0, 0, n, 10, "torch.float32", [10], "fp32", protocol, split)
 
     assert quorumless(marker(2)) and quorumless(marker(16))
+    assert quorumless(marker(4, split=2))  # a share in pieces votes with a separate object
     assert not quorumless(marker(17))  # data spread over several prefixes: the quorum's round
-    assert not quorumless(marker(4, split=2)) and not quorumless(marker(4, "flat"))
+    assert not quorumless(marker(4, "flat"))
     assert not quorumless(marker(2), sliced=True)
 
 
-def test_mean_is_the_flat_mean_with_no_marker_and_no_quorum(url: str) -> None:
+def test_mean_is_the_flat_mean_with_no_marker_and_no_quorum(url: str, pieces: int) -> None:
     xs = {r: randn(3001, r) for r in range(4)}
     outs, errors, stats = run_replicas(url, xs, 4, rounds=2, keep_rounds=None, **DIRECT)
     flat, _, _ = run_replicas(f"memory://flat-{uuid.uuid4().hex[:8]}", xs, 4, rounds=2, topology="flat")
@@ -70,28 +85,31 @@ def test_mean_is_the_flat_mean_with_no_marker_and_no_quorum(url: str) -> None:
     keys = _store(url).list("rounds")
     assert keys and not [k for k in keys if "/ready/" in k or k.endswith("quorum.json") or "/reduced/" in k]
     assert stats[2].participants == [0, 1, 2, 3] and not stats[2].late
-    assert _header(url, 1, 2)["marker"]["rank"] == 2  # the contribution carries its ready marker
+    assert _header(url, 1, 2, pieces)["marker"]["rank"] == 2  # the vote carries its ready marker
+    assert _header(url, 1, 2, pieces)["marker"]["split"] == pieces
+    assert len([k for k in keys if "/00000001/contrib/" in k]) == 4 * pieces
     p = 3001 * 4
     assert stats[1].bytes_up < p + 2048 and 3 * p < stats[1].bytes_down < 3 * p + 8192  # P up, (N-1)P down
 
 
-def test_straggler_is_tombstoned_and_adopts_the_result_when_it_comes(url: str) -> None:
+def test_straggler_is_tombstoned_and_adopts_the_result_when_it_comes(url: str, pieces: int) -> None:
     xs = {r: _ints(500, r) for r in range(3)}
     outs, errors, stats = run_replicas(url, {0: xs[0], 1: xs[1]}, 3, min_replicas=2, keep_rounds=None, **DIRECT)
     assert not errors
     assert_identical(outs)
     assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2) and stats[0].participants == [0, 1]
-    tomb = _header(url, 0, 2)
+    tomb = _header(url, 0, 2, pieces)
     assert "straggler deadline" in tomb[EXCLUDED] and tomb["by"] in (0, 1)
     late = ObjectStoreAllReduce(url, 2, 3, run_id="t", **FAST, **DIRECT)
     got = late.allreduce(xs[2], round=0)
     assert torch.equal(got, outs[0][0])  # its values were not averaged in, by anyone
     assert late.last_stats is not None and late.last_stats.late and late.last_stats.participants == [0, 1]
-    assert _header(url, 0, 2)[EXCLUDED] == tomb[EXCLUDED]  # its create lost to the tombstone
+    assert _header(url, 0, 2, pieces)[EXCLUDED] == tomb[EXCLUDED]  # its create lost to the tombstone
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_contribution_racing_the_tombstones_is_in_for_everyone_or_for_no_one(tmp_path: Path, seed: int) -> None:
+def test_a_contribution_racing_the_tombstones_is_in_for_everyone_or_for_no_one(
+        tmp_path: Path, seed: int, pieces: int) -> None:
     """Rank 2 arrives around the others' straggler deadline: whichever create wins, all three agree."""
     url = (tmp_path / "s").as_uri()
     xs = {r: _ints(800, r) for r in range(3)}
@@ -117,7 +135,7 @@ def test_a_contribution_racing_the_tombstones_is_in_for_everyone_or_for_no_one(t
     assert torch.equal(outs[0], sum(xs[q] for q in parts[0]) / len(parts[0]))  # type: ignore[operator]
 
 
-def test_abstention_leaves_the_replica_out_or_fails_everyone_alike(url: str) -> None:
+def test_abstention_leaves_the_replica_out_or_fails_everyone_alike(url: str, pieces: int) -> None:
     xs = {r: _ints(300, r) for r in range(3)}
     bad = dict(xs)
     bad[1] = xs[1].clone()
@@ -133,7 +151,7 @@ def test_abstention_leaves_the_replica_out_or_fails_everyone_alike(url: str) -> 
     assert all(isinstance(e, AbstainedError) and "rank 1" in str(e) and "non-finite" in str(e) for e in errors.values())
 
 
-def test_a_restarted_replica_takes_part_with_what_it_stored_before(url: str) -> None:
+def test_a_restarted_replica_takes_part_with_what_it_stored_before(url: str, pieces: int) -> None:
     xs = {r: _ints(400, r) for r in range(2)}
     _, errors, _ = run_replicas(url, {1: xs[1]}, 2, make=lambda u, r, w, **kw: DiesAfterReady(u, r, w, **kw),
                                 **DIRECT)
@@ -145,7 +163,25 @@ def test_a_restarted_replica_takes_part_with_what_it_stored_before(url: str) -> 
     assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2) and stats[1].participants == [0, 1]
 
 
-def test_a_dead_replicas_stored_contribution_is_all_the_others_need(url: str) -> None:
+def test_a_restarted_replica_that_died_before_voting_rewrites_its_pieces(url: str) -> None:
+    """Pieces of an attempt that died before its vote are nobody's: the next attempt writes its own."""
+    import diloco_serverless.exchange.allreduce as exchange
+
+    xs = {r: _ints(600, r) for r in range(2)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(exchange, "split_for", lambda numel, n, protocol, *a: 3 if protocol == "direct" else 1)
+        ar = ObjectStoreAllReduce(url, 1, 2, run_id="t", **FAST, **DIRECT)
+        assert ar._io is not None
+        me = ar._marker(0, xs[1], "direct")
+        DirectRound(ar._io, me, ar._wait(_Round(0, me, [], time.monotonic() + 5)))._put_pieces(xs[1] + 1000)
+        assert not _store(url).exists(vote_key(0, 1)) and _store(url).exists(contrib_key(0, 2, 1))
+        outs, errors, stats = run_replicas(url, xs, 2, **DIRECT)
+    assert not errors
+    assert_identical(outs)
+    assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2) and stats[0].participants == [0, 1]
+
+
+def test_a_dead_replicas_stored_contribution_is_all_the_others_need(url: str, pieces: int) -> None:
     xs = {r: _ints(400, r) for r in range(3)}
 
     def make(u: str, r: int, w: int, **kw: Any) -> ObjectStoreAllReduce:
@@ -216,7 +252,7 @@ def test_timeout_names_the_missing_ranks(url: str) -> None:
     assert not _store(url).list(ready_prefix(0)) and not _store(url).exists(quorum_key(0))
 
 
-def test_read_reduced_replays_a_round_and_skips_it_for_a_participant(url: str) -> None:
+def test_read_reduced_replays_a_round_and_skips_it_for_a_participant(url: str, pieces: int) -> None:
     xs = {r: randn(777, r) for r in range(3)}
     outs, errors, _ = run_replicas(url, {0: xs[0], 1: xs[1]}, 3, rounds=2, keep_rounds=None, min_replicas=2,
                                    codec="bf16", **DIRECT)
@@ -232,10 +268,10 @@ def test_read_reduced_replays_a_round_and_skips_it_for_a_participant(url: str) -
         ObjectStoreAllReduce(url, 2, 3, run_id="t", codec="bf16", **FAST, **DIRECT).read_reduced(0, torch.zeros(778))
 
 
-def test_replica_behind_a_pruned_round_is_told_to_heal_and_closes_nothing(url: str) -> None:
+def test_replica_behind_a_pruned_round_is_told_to_heal_and_closes_nothing(url: str, pieces: int) -> None:
     xs = {r: _ints(100, r) for r in range(2)}
     run_replicas(url, xs, 2, rounds=3, keep_rounds=1, **DIRECT)
     ar = ObjectStoreAllReduce(url, 0, 2, run_id="t", **{**FAST, "min_replicas": 1}, **DIRECT)
     with pytest.raises(RoundPrunedError, match="round 0.*checkpoint"):
         ar.allreduce(xs[0], round=0)
-    assert not _store(url).exists(contrib_key(0, 0, 1))  # no tombstone for rank 1 in a round the run left
+    assert not _store(url).exists(contrib_key(0, 0, 1)) and not _store(url).exists(vote_key(0, 1))  # no tombstone

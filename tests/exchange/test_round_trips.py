@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+from diloco_serverless.exchange.codec import unpack
 from diloco_serverless.exchange.errors import MismatchError
-from diloco_serverless.run.layout import contrib_key, quorum_key, ready_key
+from diloco_serverless.run.layout import contrib_key, quorum_key, ready_key, vote_key
 from diloco_serverless.store._transfer import MIN_PART_SIZE, TransferPolicy
 from support.allreduce import assert_identical, run_replicas
 from support.store_emulator import Request, StoreEmulator, client_options
@@ -91,8 +92,18 @@ def test_a_large_round_is_cut_into_part_sized_shards_not_multipart(
     listing = _boto(emu.url).list_objects_v2(Bucket=bucket, Prefix="t/rounds/00000000/")["Contents"]
     data = [o for o in listing if "/contrib/" in o["Key"] or "/reduced/" in o["Key"]]
     assert data and max(o["Size"] for o in data) <= MIN_PART_SIZE
-    (marker_key,) = [o["Key"] for o in listing if o["Key"].startswith(f"t/{ready_key(0, 0)}.")]
-    marker = json.loads(_boto(emu.url).get_object(Bucket=bucket, Key=marker_key)["Body"].read())
+    if topology == "flat":
+        (marker_key,) = [o["Key"] for o in listing if o["Key"].startswith(f"t/{ready_key(0, 0)}.")]
+        marker = json.loads(_boto(emu.url).get_object(Bucket=bucket, Key=marker_key)["Body"].read())
+    else:  # a direct round without a quorum: the marker is in rank 0's vote, written after its pieces
+        assert not [o for o in listing if "/ready/" in o["Key"] or o["Key"].endswith("quorum.json")]
+        vote = _boto(emu.url).get_object(Bucket=bucket, Key=f"t/{vote_key(0, 0)}")["Body"].read()
+        marker = unpack(vote, key="vote")[1]["marker"]
+        for rank in range(2):
+            puts = [r for r in emu.requests() if r.client == f"rank-{rank}" and r.method == "PUT"]
+            (cast,) = [r for r in puts if r.key == f"t/{vote_key(0, rank)}"]
+            pieces = [r for r in puts if "/contrib/" in r.key]
+            assert len(pieces) == split and all(p.answered <= cast.arrived for p in pieces)
     assert marker["split"] == split
     shards = split * (2 if topology == "flat" else 1)
     assert len([o for o in data if "/contrib/" in o["Key"]]) == 2 * shards

@@ -62,7 +62,7 @@ class DiesAfterReady(ObjectStoreAllReduce):
         super()._publish(rs, flat)
         raise SystemExit("simulated death after ready")
 
-    def _quorumless(self, rs: Any, flat: torch.Tensor) -> torch.Tensor:
+    def _quorumless(self, rs: Any, flat: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
         assert self._io is not None
-        DirectRound(self._io, rs.me, self._wait(rs)).publish(flat, None)
+        DirectRound(self._io, rs.me, self._wait(rs)).publish(flat, None, fresh=fresh)
         raise SystemExit("simulated death after its contribution")

@@ -29,7 +29,7 @@ detected from the rank's own store requests as the proxy sees them (exact, unlik
 ================  ==============================================================================
 ``before_upload``  at rank r's first contribution PUT of the round: killed before the store acts
 ``after_upload``   once the store has stored rank r's ready marker (all its uploads done; in a direct
-                   round without a quorum, its create-only contribution), before r hears the answer
+                   round without a quorum, its create-only vote), before r hears the answer
 ``owning_shard``   at rank r's create-only PUT of a reduced shard it owns: killed mid-reduction
 ``checkpoint``     at rank r's PUT of a checkpoint shard (manifest and data position already written)
 ``final``          at rank r's first PUT of a model file under ``final/`` (it holds final/LOCK.json);
@@ -343,14 +343,14 @@ class _Run:
         if req.method != "PUT" or req.rank is None or not req.key.startswith(self.run_prefix):
             return None
         key = req.key[len(self.run_prefix):]
-        m = re.fullmatch(r"rounds/(\d+)/(contrib/\d+|ready|reduced)/?(rank-\d+|\d+)(?:\.[0-9a-f]+)?", key)
+        m = re.fullmatch(r"rounds/(\d+)/(contrib/\d+|ready|reduced|votes)/?(rank-\d+|\d+)(?:\.[0-9a-f]+)?", key)
         if m:
             rnd, what, who = int(m.group(1)), m.group(2), m.group(3)
             if stage == "before" and what.startswith("contrib") and who == f"rank-{req.rank}":
                 return "before_upload", rnd
             # the ready marker, or the create-only contribution that is the vote of a round without a quorum
             if (stage == "after" and who == f"rank-{req.rank}"
-                    and (what == "ready" or (what.startswith("contrib") and req.create_only))):
+                    and (what in ("ready", "votes") or (what.startswith("contrib") and req.create_only))):
                 return "after_upload", rnd
             if stage == "before" and what == "reduced" and req.create_only:
                 return "owning_shard", rnd
