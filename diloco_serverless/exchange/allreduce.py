@@ -52,7 +52,7 @@ from diloco_serverless.exchange.codec import (
     pack,
     validate_codec,
 )
-from diloco_serverless.exchange.direct import DirectRound, mean_of, quorumless
+from diloco_serverless.exchange.direct import DirectRound, mean_of, piece_header, quorumless
 from diloco_serverless.exchange.errors import (
     AbstainedError,
     CorruptObjectError,
@@ -346,14 +346,16 @@ class ObjectStoreAllReduce:
                 write_abstention(io, rs.me, rs.stats.abstained, self._run_key)
             waited = time.monotonic()
             rs.stats.phases_s["publish"] = waited - t
-            quorum = wait_for_quorum(io, rs.me, self._wait(rs), on_ready=lambda ready: self._prefetch(rs, ready))
+            quorum = wait_for_quorum(io, rs.me, self._wait(rs.deadline),
+                                     on_ready=lambda ready: self._prefetch(rs, ready))
             rs.stats.wait_s += time.monotonic() - waited
             rs.stats.phases_s["quorum"] = time.monotonic() - waited
         check_agreement(quorum, rs.me)
         return quorum
 
-    def _wait(self, rs: _Round) -> QuorumWait:
-        return QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, rs.deadline,
+    def _wait(self, deadline: float) -> QuorumWait:
+        """How this replica waits for the others in a round that must end by ``deadline`` (monotonic)."""
+        return QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, deadline,
                           self.poll_interval_s, self._run_key)
 
     def _quorumless(self, rs: _Round, flat: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
@@ -362,7 +364,7 @@ class ObjectStoreAllReduce:
         io = self._io
         assert io is not None and rs.stats is not None
         t = time.monotonic()
-        round_ = DirectRound(io, rs.me, self._wait(rs))
+        round_ = DirectRound(io, rs.me, self._wait(rs.deadline))
         mine = round_.publish(flat, rs.stats.abstained, fresh=fresh)
         waited = time.monotonic()
         rs.stats.phases_s["publish"] = waited - t
@@ -386,7 +388,7 @@ class ObjectStoreAllReduce:
                                                max_object_bytes(self.codec, like.numel())))
         if not quorumless(me, sliced=self._SLICED):
             return None
-        entries = DirectRound(io, me, self._wait(_Round(round, me, [], time.monotonic() + self.timeout_s))).stored()
+        entries = DirectRound(io, me, self._wait(time.monotonic() + self.timeout_s)).stored()
         if entries is None:
             return None
         ref = next((e.marker for e in entries.values() if e.marker is not None), None)
@@ -408,9 +410,7 @@ class ObjectStoreAllReduce:
         def one(j: int) -> torch.Tensor:
             a, b = rs.bounds[j]
             enc = encode_values(flat[a:b], self.codec)
-            header = ShardHeader(
-                self.run_id, rs.r, j, "contrib", self.codec, b - a, self.rank, rs.me.dtype, rs.me.shape
-            )
+            header = piece_header(rs.me, j, (a, b))
             io.put(contrib_key(rs.r, j, self.rank, self._spread), pack(enc, asdict(header), self._run_key))
             return decode_values(enc, self.codec, b - a)
 

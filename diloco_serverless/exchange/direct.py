@@ -40,6 +40,7 @@ from diloco_serverless.exchange.codec import (
     decode_values,
     encode_values,
     pack,
+    roundtrip,
     unpack,
 )
 from diloco_serverless.exchange.errors import AbstainedError, CorruptObjectError, MismatchError
@@ -92,7 +93,7 @@ class Entry:
 def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -> tuple[bytes, torch.Tensor]:
     """Rank ``me.rank``'s contribution object (its marker in the header) and the values others will decode."""
     enc = encode_values(values, me.codec)
-    header = {**asdict(_header(me, me.rank)), "marker": asdict(me)}
+    header = {**asdict(piece_header(me, 0, (0, me.numel))), "marker": asdict(me)}
     return pack(enc, header, run_key), decode_values(enc, me.codec, me.numel)
 
 
@@ -103,7 +104,8 @@ def vote(me: ReadyMarker, run_key: bytes | None) -> bytes:
 
 
 def piece_header(marker: ReadyMarker, j: int, bounds: tuple[int, int]) -> ShardHeader:
-    """The header of piece ``j`` (values ``bounds``) of ``marker.rank``'s share."""
+    """The header of contribution object ``j`` (values ``bounds``) of ``marker.rank``: a piece of its
+    share, or, with ``bounds`` the whole tensor, its whole share."""
     return ShardHeader(marker.run_id, marker.round, j, "contrib", marker.codec, bounds[1] - bounds[0], marker.rank,
                        marker.dtype, marker.shape)
 
@@ -146,14 +148,9 @@ def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run
         if tensors:
             raise CorruptObjectError(f"vote {key!r} of a share in {marker.split} pieces holds values; refusing it")
         return Entry(rank, marker=marker)
-    expect = _header(marker, rank)
+    expect = piece_header(marker, 0, (0, marker.numel))
     check_fields(header, key=key, expect=expect)
     return Entry(rank, marker=marker, values=decode_checked(tensors, key=key, expect=expect))
-
-
-def _header(marker: ReadyMarker, rank: int) -> ShardHeader:
-    return ShardHeader(marker.run_id, marker.round, 0, "contrib", marker.codec, marker.numel, rank, marker.dtype,
-                       marker.shape)
 
 
 def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torch.Tensor]:
@@ -174,8 +171,7 @@ def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torc
         acc += values
     acc /= len(participants)
     # through the codec piece by piece, as the pieces were encoded (and as a quorum's direct round does)
-    return participants, torch.cat([decode_values(encode_values(acc[a:b], ref.codec), ref.codec, b - a)
-                                    for a, b in shard_bounds(ref.numel, ref.split)])
+    return participants, torch.cat([roundtrip(acc[a:b], ref.codec) for a, b in shard_bounds(ref.numel, ref.split)])
 
 
 class DirectRound:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce, _Round
+from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.codec import pack, unpack
 from diloco_serverless.exchange.direct import EXCLUDED, DirectRound, quorumless
 from diloco_serverless.exchange.errors import AbstainedError, CorruptObjectError, MismatchError, RoundPrunedError
@@ -173,7 +173,7 @@ def test_a_restarted_replica_that_died_before_voting_rewrites_its_pieces(url: st
         ar = ObjectStoreAllReduce(url, 1, 2, run_id="t", **FAST, **DIRECT)
         assert ar._io is not None
         me = ar._marker(0, xs[1], "direct")
-        DirectRound(ar._io, me, ar._wait(_Round(0, me, [], time.monotonic() + 5)))._put_pieces(xs[1] + 1000)
+        DirectRound(ar._io, me, ar._wait(time.monotonic() + 5))._put_pieces(xs[1] + 1000)
         assert not _store(url).exists(vote_key(0, 1)) and _store(url).exists(contrib_key(0, 2, 1))
         outs, errors, stats = run_replicas(url, xs, 2, **DIRECT)
     assert not errors

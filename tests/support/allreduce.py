@@ -64,5 +64,5 @@ class DiesAfterReady(ObjectStoreAllReduce):
 
     def _quorumless(self, rs: Any, flat: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
         assert self._io is not None
-        DirectRound(self._io, rs.me, self._wait(rs)).publish(flat, None, fresh=fresh)
+        DirectRound(self._io, rs.me, self._wait(rs.deadline)).publish(flat, None, fresh=fresh)
         raise SystemExit("simulated death after its contribution")
