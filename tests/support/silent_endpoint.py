@@ -48,6 +48,14 @@ class SilentEndpoint:
                 conn.close()
             self._sock.close()
 
+    def wait_accepted(self, timeout_s: float = 5.0) -> int:
+        """The connections accepted so far, waiting up to ``timeout_s`` for a first one: a client's
+        connection can sit in the listen backlog for a moment before this thread accepts it."""
+        until = time.monotonic() + timeout_s
+        while self.accepted == 0 and time.monotonic() < until and self._thread.is_alive():
+            time.sleep(0.02)
+        return self.accepted
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
