@@ -8,9 +8,10 @@ a round is (docs/architecture.md, "The exchange protocol")::
     rounds/<round:08d>/contrib/<shard:04d>/rank-<r>
     rounds/<round:08d>/reduced/<shard:04d>        create-only: the averaged shard
 
-A direct round without a quorum (:mod:`~diloco_serverless.exchange.direct`) has only contributions:
-``contrib/0000/rank-<r>`` is r's create-only vote (or a tombstone that leaves r out), or, when shares are
-cut into pieces, ``votes/rank-<r>`` is, created after r's pieces ``contrib/<j>/rank-<r>``.
+A round without a quorum (:mod:`~diloco_serverless.exchange.votes`, N <= 16, flat or direct) has no ready
+marker and no ``quorum.json``: ``votes/rank-<r>`` is r's create-only vote (or a tombstone that leaves r
+out), created after r's contributions ``contrib/<j>/rank-<r>``; a direct round whose share is one object
+votes with ``contrib/0000/rank-<r>`` itself.
 
 Size limits: :class:`CountingStore` refuses a contribution or reduced shard larger than a valid
 object of its shard can be (:func:`~diloco_serverless.exchange.codec.max_object_bytes`) without

@@ -52,7 +52,6 @@ from diloco_serverless.exchange.codec import (
     pack,
     validate_codec,
 )
-from diloco_serverless.exchange.direct import DirectRound, mean_of, piece_header, quorumless
 from diloco_serverless.exchange.errors import (
     AbstainedError,
     CorruptObjectError,
@@ -73,6 +72,7 @@ from diloco_serverless.exchange.quorum import (
     write_abstention,
 )
 from diloco_serverless.exchange.topology import resolve, shard_count, split_for
+from diloco_serverless.exchange.votes import VotedRound, mean_of, piece_header, quorum_of, quorumless
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
     contrib_key,
@@ -155,8 +155,9 @@ class ObjectStoreAllReduce:
     Raises ``ValueError`` in ``__init__`` for an impossible configuration, saying what to change.
     """
 
-    #: A slice of a multi-device replica's exchange (:mod:`.sliced`): its rounds always have a quorum.
-    _SLICED: ClassVar[bool] = False
+    #: Every round has a quorum object (a slice of a multi-device replica's exchange, :mod:`.sliced`, shares
+    #: its leader's); otherwise flat and direct rounds at N <= 16 go without one (:mod:`.votes`).
+    _QUORUM: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -250,7 +251,7 @@ class ObjectStoreAllReduce:
         # replica still finds the quorum while it waits for it).
         fresh = self.last_stats is not None and self.last_stats.round == r - 1 and self._attempted != r
         self._attempted = r
-        if quorumless(me, sliced=self._SLICED):
+        if quorumless(me, quorum=self._QUORUM):
             out = self._quorumless(rs, flat, fresh=fresh)
         else:
             quorum = self._join(rs, flat, fresh=fresh)
@@ -274,9 +275,17 @@ class ObjectStoreAllReduce:
         """
         if self._io is None:
             return None
-        quorum = read_quorum(self._io, run_id=self.run_id, round=round, run_key=self._run_key)
+        quorum: Quorum | None = read_quorum(self._io, run_id=self.run_id, round=round, run_key=self._run_key)
         if quorum is None:
-            return self._read_quorumless(round, like, unless_participant)
+            voted = self._stored_votes(round, like)
+            if not isinstance(voted, tuple):
+                quorum = voted
+            elif unless_participant is not None and unless_participant in voted[0]:
+                return None
+            else:
+                return voted[1].view(like.shape).to(device=like.device, dtype=like.dtype)
+        if quorum is None:
+            return None
         if unless_participant is not None and unless_participant in quorum.participants:
             return None
         ref = quorum.markers[quorum.participants[0]]
@@ -359,51 +368,73 @@ class ObjectStoreAllReduce:
                           self.poll_interval_s, self._run_key)
 
     def _quorumless(self, rs: _Round, flat: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
-        """A direct round without a quorum object (:mod:`~diloco_serverless.exchange.direct`): create our
-        vote, read everyone's as they appear, sum the contributors' in rank order."""
+        """A round without a quorum object (:mod:`~diloco_serverless.exchange.votes`): create our vote
+        (after our shards in a flat round), read everyone's as they appear; then a direct round sums the
+        contributors' in rank order, and a flat round reduces and gathers over them."""
         io = self._io
         assert io is not None and rs.stats is not None
         t = time.monotonic()
-        round_ = DirectRound(io, rs.me, self._wait(rs.deadline))
+        direct = rs.me.protocol == "direct"
+
+        def put_share(values: torch.Tensor) -> None:
+            rs.own = self._put_contributions(rs, values)
+
+        round_ = VotedRound(io, rs.me, self._wait(rs.deadline), None if direct else put_share)
         mine = round_.publish(flat, rs.stats.abstained, fresh=fresh)
         waited = time.monotonic()
         rs.stats.phases_s["publish"] = waited - t
-        entries = round_.collect()
+        entries = round_.collect(None if direct else lambda voted: self._prefetch(rs, voted))
         rs.stats.wait_s += round_.wait_s
         t = time.monotonic()
         rs.stats.phases_s["quorum"] = t - waited
-        participants, out = mean_of(entries, rs.me)
-        rs.stats.phases_s["reduce"] = time.monotonic() - t
-        rs.stats.participants, rs.stats.late = participants, self.rank not in participants
-        if mine.values is not None:  # ours, or the one we stored before a restart: what everyone summed
-            rs.own, rs.stats.abstained = [mine.values], None
-        return out
+        if mine.contributed:  # ours, or the vote we cast before a restart: what everyone counts
+            rs.stats.abstained = None
+        if direct:
+            participants, out = mean_of(entries, rs.me)
+            rs.stats.phases_s["reduce"] = time.monotonic() - t
+            rs.stats.participants, rs.stats.late = participants, self.rank not in participants
+            rs.own = [mine.values] if mine.values is not None else None
+            return out
+        quorum = quorum_of(entries, rs.me)
+        rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
+        return self._gather(rs, quorum)  # rs.own: our shards if we wrote them in this call, else read back
 
-    def _read_quorumless(self, round: int, like: torch.Tensor, unless_participant: int | None) -> torch.Tensor | None:
-        """:meth:`read_reduced` of a round without a quorum object: ``None`` unless every rank's
-        contribution key holds something."""
+    def _stored_votes(self, round: int, like: torch.Tensor) -> Quorum | tuple[list[int], torch.Tensor] | None:
+        """What :meth:`read_reduced` needs of a round without a quorum object: a flat round's participants
+        (as a quorum), a direct round's participants and mean; ``None`` unless every rank's vote key holds
+        something."""
         io = self._io
         assert io is not None
         me = self._marker(round, like, resolve(self.topology, self.world_size,
                                                max_object_bytes(self.codec, like.numel())))
-        if not quorumless(me, sliced=self._SLICED):
+        if not quorumless(me, quorum=self._QUORUM):
             return None
-        entries = DirectRound(io, me, self._wait(time.monotonic() + self.timeout_s)).stored()
+        entries = VotedRound(io, me, self._wait(time.monotonic() + self.timeout_s),
+                             None if me.protocol == "direct" else (lambda _: None)).stored()
         if entries is None:
             return None
         ref = next((e.marker for e in entries.values() if e.marker is not None), None)
-        if ref is None or (unless_participant is not None and entries[unless_participant].contributed):
+        if ref is None:
             return None
         if ref.numel != like.numel():
             raise MismatchError(
                 f"round {round} averaged {ref.numel} elements (shape {tuple(ref.shape)}) but the tensor to replay into "
                 f"has {like.numel()} (shape {tuple(like.shape)})"
             )
-        _, out = mean_of(entries, ref)
-        return out.view(like.shape).to(device=like.device, dtype=like.dtype)
+        return mean_of(entries, ref) if ref.protocol == "direct" else quorum_of(entries, ref)
 
     def _publish(self, rs: _Round, flat: torch.Tensor) -> list[torch.Tensor]:
         """PUT our S contribution objects concurrently, then our ready marker; return what others will decode."""
+        io = self._io
+        assert io is not None
+        own = self._put_contributions(rs, flat)
+        self._before_ready(rs)
+        io.put(ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key)),
+               signed_json(self._run_key, "ready", asdict(rs.me)))
+        return own
+
+    def _put_contributions(self, rs: _Round, flat: torch.Tensor) -> list[torch.Tensor]:
+        """PUT our S contribution objects concurrently; return what others will decode."""
         io = self._io
         assert io is not None
 
@@ -414,11 +445,7 @@ class ObjectStoreAllReduce:
             io.put(contrib_key(rs.r, j, self.rank, self._spread), pack(enc, asdict(header), self._run_key))
             return decode_values(enc, self.codec, b - a)
 
-        own = list(self._executor().map(one, range(len(rs.bounds))))
-        self._before_ready(rs)
-        io.put(ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key)),
-               signed_json(self._run_key, "ready", asdict(rs.me)))
-        return own
+        return list(self._executor().map(one, range(len(rs.bounds))))
 
     def _before_ready(self, rs: _Round) -> None:
         """Hook between our contributions and our ready marker (a sliced exchange's leader waits

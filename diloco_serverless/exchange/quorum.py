@@ -312,7 +312,7 @@ def _try_create(
     return None
 
 
-def _grace_s(io: CountingStore, p: QuorumWait) -> float:
+def grace_s(io: CountingStore, p: QuorumWait) -> float:
     """How long an entitled replica that is not the designated writer leaves the writer: four round
     trips (the writer's last marker GET and its create, our read, one spare) and never under half a
     second. On a slow store (seconds per request) a fixed grace had every replica fetch the N markers
@@ -320,20 +320,35 @@ def _grace_s(io: CountingStore, p: QuorumWait) -> float:
     return max(4 * p.poll_interval_s, 0.5, 4 * io.round_trip_s)
 
 
-def _check_skipped(io: CountingStore, me: ReadyMarker, *, contributions: bool = False) -> None:
-    """Raise :class:`RoundPrunedError` if a later round already has a quorum, or, with ``contributions``
-    (a round without a quorum object, :mod:`~diloco_serverless.exchange.direct`), a contribution or vote
-    under ``rounds/``: someone finished this round without us (one recursive listing)."""
-    later = sorted(
-        int(parts[1])
-        for parts in (k.split("/") for k in io.list(ROUNDS_PREFIX))
-        if len(parts) >= 3 and parts[1].isdigit() and int(parts[1]) > me.round
-        and ((len(parts) == 3 and parts[2] == "quorum.json") or (contributions and parts[2] in ("contrib", "votes")))
-    )
+def check_moved_on(io: CountingStore, me: ReadyMarker, *, voted: bool = False) -> None:
+    """One recursive listing of ``rounds/`` by a replica stuck waiting in round ``me.round``.
+
+    Raises :class:`RoundPrunedError` if a later round already has a quorum, or, in a round without a
+    quorum object (``voted``, :mod:`~diloco_serverless.exchange.votes`), a contribution or vote: someone
+    finished this round without us. Raises :class:`MismatchError` if another replica runs this round
+    with the other kind of consensus (ready markers or ``quorum.json`` in a round we vote in, votes in a
+    round we wait for a quorum of): it was configured with another ``exchange.topology``.
+    """
+    later, other = [], []
+    for parts in (k.split("/") for k in io.list(ROUNDS_PREFIX)):
+        if len(parts) < 3 or not parts[1].isdigit():
+            continue
+        r, kind = int(parts[1]), parts[2]
+        if r > me.round and (kind == "quorum.json" and len(parts) == 3 or voted and kind in ("contrib", "votes")):
+            later.append(r)
+        elif r == me.round and (kind in ("ready", "quorum.json") if voted else kind == "votes"):
+            other.append("/".join(parts))
     if later:
         raise RoundPrunedError(
-            f"round {me.round} is not complete but round {later[0]} has begun: the run moved on without this replica "
-            f"(rank {me.rank}) and round {me.round} may have been pruned; heal from the latest checkpoint"
+            f"round {me.round} is not complete but round {min(later)} has begun: the run moved on without this "
+            f"replica (rank {me.rank}) and round {me.round} may have been pruned; heal from the latest checkpoint"
+        )
+    if other:
+        mine, theirs = ("votes (no quorum)", "a quorum") if voted else ("a quorum", "votes (no quorum)")
+        raise MismatchError(
+            f"round {me.round}: this replica (rank {me.rank}, a {me.protocol} round) runs it with {mine} but "
+            f"another replica runs it with {theirs} ({sorted(other)[0]!r}); every replica must use the same "
+            "exchange.topology and store part size"
         )
 
 
@@ -383,7 +398,7 @@ def wait_for_quorum(
             fetch_markers(io, me, ready, listed, p.run_key, fetched)
         if entitled:
             entitled_since = now if entitled_since is None else entitled_since
-            if me.rank == min(ready) or now - entitled_since >= _grace_s(io, p):
+            if me.rank == min(ready) or now - entitled_since >= grace_s(io, p):
                 created = _try_create(io, me, ready, p.run_key, fetched, listed)
                 if created is not None:
                     return created  # ours won: no need to read it back
@@ -399,7 +414,7 @@ def wait_for_quorum(
                 f"min_replicas={p.min_replicas}); check those replicas' logs or lower min_replicas"
             )
         if now - started >= p.straggler_timeout_s and now - last_skip_check >= 1.0:
-            _check_skipped(io, me)
+            check_moved_on(io, me)
             last_skip_check = now
         if ready != seen:
             seen, sleep_s = ready, min(_FIRST_POLL_S, p.poll_interval_s)

@@ -36,8 +36,8 @@ from diloco_serverless.exchange.quorum import (
     Fetched,
     Quorum,
     ReadyMarker,
-    _check_skipped,
     check_agreement,
+    check_moved_on,
     collect_markers,
     fetch_markers,
     read_quorum,
@@ -59,7 +59,7 @@ class SlicedAllReduce(ObjectStoreAllReduce):
     slice outside ``0..slices-1``.
     """
 
-    _SLICED = True  # direct rounds too go through the leader's quorum (one quorum for all slices)
+    _QUORUM = True  # flat and direct rounds too go through the leader's quorum (one quorum for all slices)
 
     def __init__(
         self,
@@ -160,7 +160,7 @@ class SlicedAllReduce(ObjectStoreAllReduce):
                     "check the replicas' local rank 0 logs"
                 )
             if now - started >= self.straggler_timeout_s and now - last_skip_check >= 1.0:
-                _check_skipped(lead, rs.me)
+                check_moved_on(lead, rs.me)
                 last_skip_check = now
             time.sleep(min(sleep_s, max(0.0, rs.deadline - now)))
             sleep_s = min(sleep_s * 1.5, self.poll_interval_s)

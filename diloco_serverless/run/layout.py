@@ -91,9 +91,9 @@ def ready_key(round: int, rank: int, tag: str | None = None) -> str:
 
 
 def vote_key(round: int, rank: int) -> str:
-    """``rounds/<round>/votes/rank-<r>``: rank r's create-only vote in a direct round without a quorum
-    whose shares are cut into pieces (``exchange/direct.py``): written after all its pieces, or a
-    tombstone that leaves r out."""
+    """``rounds/<round>/votes/rank-<r>``: rank r's create-only vote in a round without a quorum
+    (``exchange/votes.py``: flat, or direct with shares cut into pieces): written after all its
+    contributions, or a tombstone that leaves r out."""
     return f"{round_prefix(round)}/votes/{_rank(rank)}"
 
 

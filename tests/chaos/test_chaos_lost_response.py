@@ -5,7 +5,7 @@ whose reused connection closed) gets 412 PreconditionFailed for its *own* object
 conclude that someone else created it.
 
 One run loses the first answer to each kind of create-only object the package writes: run.json (through
-``launch()``), a round's quorum.json, a reduced shard, a checkpoint manifest and final/LOCK.json (each
+``launch()``), a replica's vote in a round, a reduced shard, a checkpoint manifest and final/LOCK.json (each
 writer a different moment of the run, so every loss is its own fault). The run must succeed with a
 complete final/ (final/DONE.json and the model files), the same parameters on every replica and the
 fault-free run's parameters.

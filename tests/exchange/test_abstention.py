@@ -8,21 +8,26 @@ import pytest
 import torch
 
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+from diloco_serverless.exchange.codec import unpack
 from diloco_serverless.exchange.errors import AbstainedError
+from diloco_serverless.exchange.votes import EXCLUDED
+from diloco_serverless.run.layout import vote_key
 from diloco_serverless.store.objectstore import ObjectStore
-from support.allreduce import assert_identical, randn, run_replicas
+from support.allreduce import WithQuorum, assert_identical, randn, run_replicas
 
 
 def _url() -> str:
     return f"memory://abstain-{uuid.uuid4().hex[:8]}"
 
 
-def test_a_nan_replica_is_left_out_and_receives_the_mean_of_the_others() -> None:
+@pytest.mark.parametrize("quorum", [False, True], ids=["votes", "quorum"])
+def test_a_nan_replica_is_left_out_and_receives_the_mean_of_the_others(quorum: bool) -> None:
     url = _url()
     xs = {r: randn(1000, r) for r in range(3)}
     xs[2][17] = float("nan")
     # a straggler deadline far longer than the test: the round must close because rank 2 said it abstains
-    outs, errors, stats = run_replicas(url, xs, 3, min_replicas=2, straggler_timeout_s=120.0)
+    outs, errors, stats = run_replicas(url, xs, 3, min_replicas=2, straggler_timeout_s=120.0,
+                                       make=WithQuorum if quorum else ObjectStoreAllReduce)
     assert not errors
     assert_identical(outs)
     torch.testing.assert_close(outs[0][0], (xs[0] + xs[1]) / 2, atol=1e-6, rtol=0)
@@ -32,8 +37,13 @@ def test_a_nan_replica_is_left_out_and_receives_the_mean_of_the_others() -> None
     assert stats[0].abstained is None
     assert max(s.total_s for s in stats.values()) < 60.0
     store = ObjectStore(url).child("t")
-    assert store.exists("rounds/00000000/ready/abstain-2")
-    assert not [k for k in store.list("rounds/00000000/ready") if "/rank-2" in k]
+    if quorum:  # an abstention marker beside the ready markers
+        assert store.exists("rounds/00000000/ready/abstain-2")
+        assert not [k for k in store.list("rounds/00000000/ready") if "/rank-2" in k]
+    else:  # a flat round without a quorum: rank 2's vote key holds its own tombstone, with the reason
+        header = unpack(store.get(vote_key(0, 2)), key="vote")[1]
+        assert header["by"] == 2 and "non-finite" in header[EXCLUDED]
+        assert not store.exists("rounds/00000000/ready") and not store.exists("rounds/00000000/quorum.json")
     assert not [k for k in store.list("rounds/00000000/contrib") if k.endswith("rank-2")]
 
 

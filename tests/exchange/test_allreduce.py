@@ -32,6 +32,7 @@ from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 from support.allreduce import (
     FAST,
     DiesAfterReady,
+    WithQuorum,
     assert_identical,
     randn,
     run_replicas,
@@ -291,9 +292,9 @@ def test_oversized_contribution_is_refused(url: str) -> None:
 
 def test_foreign_quorum_is_refused(url: str) -> None:
     root = ObjectStore(url)
-    run_replicas(url, {r: randn(10, r) for r in range(2)}, 2, run_id="other", keep_rounds=None)
+    run_replicas(url, {r: randn(10, r) for r in range(2)}, 2, run_id="other", keep_rounds=None, make=WithQuorum)
     root.put(f"t/{quorum_key(0)}", root.get(f"other/{quorum_key(0)}"))
-    _, errors, _ = run_replicas(url, {r: randn(10, r) for r in range(2)}, 2)
+    _, errors, _ = run_replicas(url, {r: randn(10, r) for r in range(2)}, 2, make=WithQuorum)
     assert errors and all(isinstance(e, CorruptObjectError) and "another run" in str(e) for e in errors.values())
 
 

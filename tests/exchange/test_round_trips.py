@@ -22,9 +22,9 @@ import torch
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.codec import unpack
 from diloco_serverless.exchange.errors import MismatchError
-from diloco_serverless.run.layout import contrib_key, quorum_key, ready_key, vote_key
+from diloco_serverless.run.layout import contrib_key, quorum_key, reduced_key, vote_key
 from diloco_serverless.store._transfer import MIN_PART_SIZE, TransferPolicy
-from support.allreduce import assert_identical, run_replicas
+from support.allreduce import WithQuorum, assert_identical, run_replicas
 from support.store_emulator import Request, StoreEmulator, client_options
 from support.store_presets import StorePreset
 
@@ -57,13 +57,15 @@ def bucket(s3_server: str) -> str:
     return name
 
 
-def _maker(endpoint: str, transfer: dict[int, TransferPolicy] | None = None) -> Any:
-    """Replicas whose requests the emulator attributes to ``rank-<r>``; ``transfer`` per rank (default PART)."""
+def _maker(endpoint: str, transfer: dict[int, TransferPolicy] | None = None, *, quorum: bool = False) -> Any:
+    """Replicas whose requests the emulator attributes to ``rank-<r>``; ``transfer`` per rank (default PART);
+    with ``quorum``, every round has a quorum object (as a sliced exchange's do)."""
 
     def make(url: str, r: int, n: int, **kw: Any) -> ObjectStoreAllReduce:
         opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
                 "client_kwargs": {"region_name": "us-east-1"}, **client_options(r)}
-        return ObjectStoreAllReduce(url, r, n, storage_options=opts, transfer=(transfer or {}).get(r, PART), **kw)
+        return (WithQuorum if quorum else ObjectStoreAllReduce)(url, r, n, storage_options=opts,
+                                                               transfer=(transfer or {}).get(r, PART), **kw)
 
     return make
 
@@ -92,20 +94,17 @@ def test_a_large_round_is_cut_into_part_sized_shards_not_multipart(
     listing = _boto(emu.url).list_objects_v2(Bucket=bucket, Prefix="t/rounds/00000000/")["Contents"]
     data = [o for o in listing if "/contrib/" in o["Key"] or "/reduced/" in o["Key"]]
     assert data and max(o["Size"] for o in data) <= MIN_PART_SIZE
-    if topology == "flat":
-        (marker_key,) = [o["Key"] for o in listing if o["Key"].startswith(f"t/{ready_key(0, 0)}.")]
-        marker = json.loads(_boto(emu.url).get_object(Bucket=bucket, Key=marker_key)["Body"].read())
-    else:  # a direct round without a quorum: the marker is in rank 0's vote, written after its pieces
-        assert not [o for o in listing if "/ready/" in o["Key"] or o["Key"].endswith("quorum.json")]
-        vote = _boto(emu.url).get_object(Bucket=bucket, Key=f"t/{vote_key(0, 0)}")["Body"].read()
-        marker = unpack(vote, key="vote")[1]["marker"]
-        for rank in range(2):
-            puts = [r for r in emu.requests() if r.client == f"rank-{rank}" and r.method == "PUT"]
-            (cast,) = [r for r in puts if r.key == f"t/{vote_key(0, rank)}"]
-            pieces = [r for r in puts if "/contrib/" in r.key]
-            assert len(pieces) == split and all(p.answered <= cast.arrived for p in pieces)
+    # a round without a quorum: the marker is in each rank's vote, written after all its contributions
+    assert not [o for o in listing if "/ready/" in o["Key"] or o["Key"].endswith("quorum.json")]
+    vote = _boto(emu.url).get_object(Bucket=bucket, Key=f"t/{vote_key(0, 0)}")["Body"].read()
+    marker = unpack(vote, key="vote")[1]["marker"]
     assert marker["split"] == split
     shards = split * (2 if topology == "flat" else 1)
+    for rank in range(2):
+        puts = [r for r in emu.requests() if r.client == f"rank-{rank}" and r.method == "PUT"]
+        (cast,) = [r for r in puts if r.key == f"t/{vote_key(0, rank)}"]
+        pieces = [r for r in puts if "/contrib/" in r.key]
+        assert len(pieces) == shards and all(p.answered <= cast.arrived for p in pieces)
     assert len([o for o in data if "/contrib/" in o["Key"]]) == 2 * shards
     if topology == "flat":
         assert sorted(stats[0].reduced_shards + stats[1].reduced_shards) == list(range(shards))
@@ -123,7 +122,8 @@ def test_replicas_that_would_cut_the_tensor_differently_fail_with_a_mismatch(emu
 
 def test_a_round_spends_no_round_trip_on_reading_back_or_missing(emu: StoreEmulator, bucket: str) -> None:
     xs = {r: _ints(3000, r) for r in range(3)}
-    outs, errors, _ = run_replicas(f"s3://{bucket}", xs, 3, rounds=2, make=_maker(emu.url), topology="flat")
+    outs, errors, _ = run_replicas(f"s3://{bucket}", xs, 3, rounds=2, make=_maker(emu.url, quorum=True),
+                                   topology="flat")
     assert not errors
     assert_identical(outs)
     log = emu.requests()
@@ -156,7 +156,7 @@ def test_on_a_slow_store_only_the_writer_creates_the_quorum(s3_server: str, buck
     replica fetched the N ready markers and raced the create. The grace is four of the store's round trips."""
     xs = {r: _ints(1000, r) for r in range(3)}
     with StoreEmulator(s3_server, SLOW) as slow:
-        outs, errors, _ = run_replicas(f"s3://{bucket}", xs, 3, make=_maker(slow.url), topology="flat",
+        outs, errors, _ = run_replicas(f"s3://{bucket}", xs, 3, make=_maker(slow.url, quorum=True), topology="flat",
                                        timeout_s=60.0, straggler_timeout_s=60.0, takeover_timeout_s=60.0)
         log = slow.requests()
     assert not errors
@@ -207,3 +207,33 @@ def test_a_small_direct_round_sends_the_naive_exchanges_requests(emu: StoreEmula
             got = {r.key.rsplit("/", 1)[-1] for r in mine if r.method == "GET" and f"/{rnd:08d}/contrib/" in r.key}
             assert got == {f"rank-{q}" for q in range(3) if q != rank}
     assert stats[0].participants == [0, 1, 2]
+
+
+def test_a_small_flat_round_votes_instead_of_writing_a_quorum(emu: StoreEmulator, bucket: str) -> None:
+    """A flat round at N <= 16: per replica its N shards, then one create-only vote, then its reduced shard;
+    it reads the others' votes, their contributions to its shard and the other reduced shards. No ready
+    marker, no quorum.json, no HEAD; the one GET that misses is of its own vote, before its first round
+    (a restarted replica may have voted already), as a round with a quorum reads the quorum then."""
+    xs = {r: _ints(3000, r) for r in range(3)}
+    outs, errors, stats = run_replicas(f"s3://{bucket}", xs, 3, rounds=2, make=_maker(emu.url), topology="flat")
+    assert not errors
+    assert_identical(outs)
+    assert torch.equal(outs[0][1], (xs[0] + xs[1] + xs[2]) * 2 / 3)
+    log = emu.requests()
+    assert not [r for r in log if "/ready/" in r.key or r.key.endswith("quorum.json")]
+    missed = [(r.client, r.key) for r in log if r.method == "HEAD" or (r.method == "GET" and r.status == 404)]
+    assert sorted(missed) == [(f"rank-{q}", f"t/{vote_key(0, q)}") for q in range(3)]
+    for rank in range(3):
+        mine = [r for r in log if r.client == f"rank-{rank}"]
+        for rnd in (0, 1):
+            puts = [r for r in mine if r.method == "PUT" and f"/{rnd:08d}/" in r.key]
+            expected = [contrib_key(rnd, j, rank) for j in range(3)] + [vote_key(rnd, rank), reduced_key(rnd, rank)]
+            assert sorted(r.key for r in puts) == sorted(f"t/{k}" for k in expected)
+            (cast,) = [r for r in puts if r.key == f"t/{vote_key(rnd, rank)}"]
+            assert all(r.answered <= cast.arrived for r in puts if "/contrib/" in r.key)  # shards before the vote
+            got = {r.key for r in mine if r.method == "GET" and f"/{rnd:08d}/" in r.key}
+            wanted = [k for q in range(3) if q != rank
+                      for k in (vote_key(rnd, q), contrib_key(rnd, rank, q), reduced_key(rnd, q))]
+            wanted += [vote_key(0, rank)] if rnd == 0 else []
+            assert got == {f"t/{k}" for k in wanted}, sorted(got)
+    assert stats[0].participants == [0, 1, 2] and stats[0].reduced_shards == [0]

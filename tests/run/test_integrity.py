@@ -18,6 +18,7 @@ import torch
 
 from diloco_serverless.config import RunConfig
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+from diloco_serverless.exchange.codec import unpack
 from diloco_serverless.exchange.errors import CorruptObjectError
 from diloco_serverless.exchange.quorum import ReadyMarker, marker_tag
 from diloco_serverless.run.integrity import (
@@ -30,12 +31,12 @@ from diloco_serverless.run.integrity import (
     save_local_key,
     verify_json,
 )
-from diloco_serverless.run.layout import ready_key
+from diloco_serverless.run.layout import ready_key, vote_key
 from diloco_serverless.run.record import InvalidRun, create_run, load_run, record_launch
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.checkpoint import CheckpointCorrupt
-from support.allreduce import FAST, randn
+from support.allreduce import FAST, WithQuorum, randn
 
 KEY = parse_run_key(new_run_key(), source="test")
 OTHER = parse_run_key(new_run_key(), source="test")
@@ -120,12 +121,15 @@ def _url() -> str:
     return f"memory://integrity-{uuid.uuid4().hex[:8]}"
 
 
-def _round(url: str, run_key: bytes | None, world: int = 2) -> dict[int, object]:
+def _round(url: str, run_key: bytes | None, world: int = 2, *, quorum: bool = True) -> dict[int, object]:
+    """One round of ``world`` replicas; with ``quorum`` (the tests of markers and quorums) it has a quorum
+    object, as at N > 16, otherwise it votes (:mod:`diloco_serverless.exchange.votes`)."""
     outs: dict[int, object] = {}
 
     def one(r: int) -> None:
         try:
-            with ObjectStoreAllReduce(url, r, world, run_id="t", run_key=run_key, **FAST) as ar:
+            with (WithQuorum if quorum else ObjectStoreAllReduce)(url, r, world, run_id="t", run_key=run_key,
+                                                                  **FAST) as ar:
                 outs[r] = ar.allreduce(randn(300, r))
         except BaseException as e:  # reported to the test
             outs[r] = e
@@ -148,6 +152,12 @@ def test_signed_exchange_objects_round_trip_and_carry_macs() -> None:
     ready = json.loads(store.get(key))
     assert verify_json(KEY, "quorum", quorum) and verify_json(KEY, "ready", ready)
     assert key.endswith("." + ready["mac"])  # the marker is named by its MAC
+    voted = _url()
+    assert all(isinstance(o, torch.Tensor) for o in _round(voted, KEY, quorum=False).values())
+    vote = ObjectStore(voted).child("t").get(vote_key(0, 1))
+    assert unpack(vote, key="vote", run_key=KEY)[1]["marker"]["rank"] == 1  # a vote is signed too
+    with pytest.raises(CorruptObjectError, match="signature"):
+        unpack(vote, key="vote", run_key=OTHER)
 
 
 def test_a_forged_quorum_is_refused_by_every_replica() -> None:
@@ -169,7 +179,7 @@ def test_a_forged_ready_marker_is_refused() -> None:
     marker = {"run_id": "t", "round": 0, "rank": 1, "world_size": 2, "numel": 300, "dtype": "torch.float32",
               "shape": [300], "codec": "fp32"}
     store.put("rounds/00000000/ready/rank-1", json.dumps(mac_json(OTHER, "ready", marker)).encode())
-    with ObjectStoreAllReduce(url, 0, 2, run_id="t", run_key=KEY, **{**FAST, "timeout_s": 5.0}) as ar:
+    with WithQuorum(url, 0, 2, run_id="t", run_key=KEY, **{**FAST, "timeout_s": 5.0}) as ar:
         with pytest.raises(CorruptObjectError, match=r"ready/rank-1.*signature"):
             ar.allreduce(randn(300, 0))
 
@@ -181,7 +191,7 @@ def test_a_ready_marker_named_without_the_run_key_is_read_and_refused() -> None:
     store = ObjectStore(url).child("t")
     marker = ReadyMarker("t", 0, 1, 2, 300, "torch.float32", [300], "fp32", "direct")
     store.put(ready_key(0, 1, marker_tag(marker, None)), json.dumps(mac_json(OTHER, "ready", asdict(marker))).encode())
-    with ObjectStoreAllReduce(url, 0, 2, run_id="t", run_key=KEY, **{**FAST, "timeout_s": 5.0}) as ar:
+    with WithQuorum(url, 0, 2, run_id="t", run_key=KEY, **{**FAST, "timeout_s": 5.0}) as ar:
         with pytest.raises(CorruptObjectError, match=r"ready/rank-1\..*signature"):
             ar.allreduce(randn(300, 0))
 
@@ -192,7 +202,7 @@ def test_an_unsigned_abstention_does_not_count() -> None:
     store = ObjectStore(url).child("t")
     store.put("rounds/00000000/ready/abstain-1", json.dumps({"run_id": "t", "round": 0, "rank": 1,
                                                               "reason": "forged"}).encode())
-    with ObjectStoreAllReduce(url, 0, 2, run_id="t", run_key=KEY, min_replicas=1,
+    with WithQuorum(url, 0, 2, run_id="t", run_key=KEY, min_replicas=1,
                               **{**FAST, "straggler_timeout_s": 30.0, "timeout_s": 2.0}) as ar:
         with pytest.raises(TimeoutError, match=r"ranks \[1\] never became ready"):
             ar.allreduce(randn(300, 0))
@@ -285,7 +295,7 @@ def test_a_forged_reduced_shard_with_a_valid_checksum_is_refused() -> None:
         blob = pack(encode_values(torch.full((150,), 1e3), "fp32"), asdict(header), forger_key)
         unpack(blob, key="x")  # a well-formed object with a correct checksum
         store.put("rounds/00000000/reduced/0001", blob)
-        with ObjectStoreAllReduce(url, 0, 2, run_id="t", run_key=KEY, min_replicas=1,
+        with WithQuorum(url, 0, 2, run_id="t", run_key=KEY, min_replicas=1,
                                   **{**FAST, "straggler_timeout_s": 0.2}) as ar:
             with pytest.raises(CorruptObjectError, match=r"reduced/0001.*signature"):
                 ar.allreduce(randn(300, 0))

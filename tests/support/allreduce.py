@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce, RoundStats
-from diloco_serverless.exchange.direct import DirectRound
+from diloco_serverless.exchange.votes import VotedRound
 
 FAST: dict[str, Any] = dict(timeout_s=20.0, straggler_timeout_s=0.3, takeover_timeout_s=0.3, poll_interval_s=0.02)
 
@@ -54,9 +54,16 @@ def assert_identical(outs: dict[int, list[torch.Tensor]]) -> None:
             assert torch.equal(a, b), f"rank {r} differs from rank {min(outs)}"
 
 
+class WithQuorum(ObjectStoreAllReduce):
+    """An exchange whose every round has a quorum object, as a sliced exchange's do: the tests of the
+    quorum protocol itself run their flat and direct rounds through it at small N."""
+
+    _QUORUM = True
+
+
 class DiesAfterReady(ObjectStoreAllReduce):
-    """Writes its contributions and ready marker (in a round without a quorum: its create-only
-    contribution), then 'dies' before reducing its shard."""
+    """Writes its contributions and ready marker (in a round without a quorum: its contributions and its
+    create-only vote), then 'dies' before reducing its shard."""
 
     def _publish(self, rs: Any, flat: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[override]
         super()._publish(rs, flat)
@@ -64,5 +71,10 @@ class DiesAfterReady(ObjectStoreAllReduce):
 
     def _quorumless(self, rs: Any, flat: torch.Tensor, *, fresh: bool = False) -> torch.Tensor:
         assert self._io is not None
-        DirectRound(self._io, rs.me, self._wait(rs.deadline)).publish(flat, None, fresh=fresh)
-        raise SystemExit("simulated death after its contribution")
+
+        def put_share(values: torch.Tensor) -> None:
+            self._put_contributions(rs, values)
+
+        VotedRound(self._io, rs.me, self._wait(rs.deadline), None if rs.me.protocol == "direct" else put_share).publish(
+            flat, None, fresh=fresh)
+        raise SystemExit("simulated death after its contribution (and vote)")

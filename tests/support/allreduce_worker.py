@@ -31,19 +31,24 @@ def make_input(seed: int, rank: int, numel: int) -> torch.Tensor:
 
 
 def _install_death(die: str) -> None:
+    """SIGKILL this process before its first contribution, or right after its ready marker (in a round
+    without a quorum: right after its vote)."""
     from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
+    from diloco_serverless.exchange.votes import VotedRound
 
-    original = ObjectStoreAllReduce._publish
+    def dying(original: Any) -> Any:
+        def publish(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if die == "before-contrib":
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = original(self, *args, **kwargs)
+            if die == "after-ready":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
 
-    def publish(self: Any, rs: Any, flat: torch.Tensor) -> Any:
-        if die == "before-contrib":
-            os.kill(os.getpid(), signal.SIGKILL)
-        out = original(self, rs, flat)
-        if die == "after-ready":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return out
+        return publish
 
-    ObjectStoreAllReduce._publish = publish  # type: ignore[method-assign]
+    ObjectStoreAllReduce._publish = dying(ObjectStoreAllReduce._publish)  # type: ignore[method-assign]
+    VotedRound.publish = dying(VotedRound.publish)  # type: ignore[method-assign]
 
 
 def main(spec: dict[str, Any]) -> int:

@@ -91,10 +91,11 @@ S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "test
                   "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 RUN_ID = "chaos"
 
-#: Regex (searched in the key, bucket excluded) of each kind of create-only object the package writes.
+#: Regex (searched in the key, bucket excluded) of each kind of create-only object a chaos run writes (at
+#: N <= 16 a flat round votes instead of writing ``quorum.json``).
 CREATE_ONLY_KEYS = {
     "run.json": r"/run\.json$",
-    "quorum.json": r"/rounds/\d+/quorum\.json$",
+    "vote": r"/rounds/\d+/votes/rank-\d+$",
     "reduced": r"/rounds/\d+/reduced/\d+$",
     "checkpoint-manifest": r"/checkpoints/\d+/manifest\.json$",
     "final-lock": r"/final/LOCK\.json$",

@@ -1,10 +1,11 @@
-"""Direct rounds without a quorum object (diloco_serverless.exchange.direct): each rank's create-only
-contribution is its vote, and a tombstone at its key leaves it out.
+"""Rounds without a quorum object (diloco_serverless.exchange.votes): each rank's create-only vote says
+it contributed, and a tombstone at its vote key leaves it out.
 
-Threads as replicas on memory:// and file://; ``topology="direct"`` at N <= 16 is such a round. These
-stores have no part size, so each share is one object (the contribution is the vote); the ``pieces``
-fixture also runs tests with shares cut into 3 pieces and a separate vote, as a store with a part size
-would cut a large tensor.
+Threads as replicas on memory:// and file://; a direct or flat round at N <= 16 is such a round. These
+stores have no part size, so a direct round's share is one object (the contribution is the vote); the
+``mode`` fixture also runs tests with a direct round's shares cut into 3 pieces and a separate vote (as
+a store with a part size would cut a large tensor), and flat rounds (N x ``split`` shards, then the vote;
+reduced and gathered over the voters), whole and split in 2.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import random
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +23,40 @@ import torch
 
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
 from diloco_serverless.exchange.codec import pack, unpack
-from diloco_serverless.exchange.direct import EXCLUDED, DirectRound, quorumless
 from diloco_serverless.exchange.errors import AbstainedError, CorruptObjectError, MismatchError, RoundPrunedError
 from diloco_serverless.exchange.quorum import ReadyMarker
+from diloco_serverless.exchange.votes import EXCLUDED, VotedRound, quorumless
 from diloco_serverless.run.layout import contrib_key, quorum_key, ready_prefix, vote_key
 from diloco_serverless.store.objectstore import ObjectStore
-from support.allreduce import FAST, DiesAfterReady, assert_identical, randn, run_replicas
+from support.allreduce import FAST, DiesAfterReady, WithQuorum, assert_identical, randn, run_replicas
 
 DIRECT: dict[str, Any] = {"topology": "direct"}
 
 
-@pytest.fixture(params=[1, 3], ids=["whole", "pieces"])
-def pieces(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """Pieces per share of a direct round (split_for's answer)."""
+@dataclass(frozen=True)
+class Mode:
+    """A kind of round without a quorum: its ``topology`` and ``split`` (split_for's answer)."""
+
+    topology: str
+    split: int
+
+    @property
+    def kw(self) -> dict[str, Any]:
+        return {"topology": self.topology}
+
+    def vote_key(self, round: int, rank: int) -> str:
+        whole = self.topology == "direct" and self.split == 1
+        return contrib_key(round, 0, rank) if whole else vote_key(round, rank)
+
+
+@pytest.fixture(params=[Mode("direct", 1), Mode("direct", 3), Mode("flat", 1), Mode("flat", 2)],
+                ids=["direct", "direct-pieces", "flat", "flat-split"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Mode:
     import diloco_serverless.exchange.allreduce as exchange
 
-    split = int(request.param)
-    monkeypatch.setattr(exchange, "split_for", lambda numel, n, protocol, *a: split if protocol == "direct" else 1)
-    return split
+    m: Mode = request.param
+    monkeypatch.setattr(exchange, "split_for", lambda numel, n, protocol, *a: m.split if protocol == m.topology else 1)
+    return m
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -57,9 +75,9 @@ def _store(url: str) -> ObjectStore:
     return ObjectStore(url).child("t")
 
 
-def _header(url: str, round: int, rank: int, pieces: int = 1) -> dict[str, Any]:
+def _header(url: str, round: int, rank: int, mode: Mode = Mode("direct", 1)) -> dict[str, Any]:
     """The header of rank ``rank``'s vote in ``round``."""
-    key = contrib_key(round, 0, rank) if pieces == 1 else vote_key(round, rank)
+    key = mode.vote_key(round, rank)
     return unpack(_store(url).get(key), key=key)[1]
 
 
@@ -70,11 +88,18 @@ def test_which_rounds_go_without_a_quorum() -> None:
     assert quorumless(marker(2)) and quorumless(marker(16))
     assert quorumless(marker(4, split=2))  # a share in pieces votes with a separate object
     assert not quorumless(marker(17))  # data spread over several prefixes: the quorum's round
-    assert not quorumless(marker(4, "flat"))
-    assert not quorumless(marker(2), sliced=True)
+    assert quorumless(marker(4, "flat")) and quorumless(marker(16, "flat", split=3))
+    assert not quorumless(marker(17, "flat"))
+    assert not quorumless(marker(4, "hierarchical"))  # its partials need a fixed participant list up front
+    assert not quorumless(marker(2), quorum=True) and not quorumless(marker(4, "flat"), quorum=True)
 
 
-def test_mean_is_the_flat_mean_with_no_marker_and_no_quorum(url: str, pieces: int) -> None:
+@pytest.mark.parametrize("pieces", [1, 3], ids=["whole", "pieces"])
+def test_mean_is_the_flat_mean_with_no_marker_and_no_quorum(url: str, pieces: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import diloco_serverless.exchange.allreduce as exchange
+
+    monkeypatch.setattr(exchange, "split_for", lambda numel, n, protocol, *a: pieces if protocol == "direct" else 1)
     xs = {r: randn(3001, r) for r in range(4)}
     outs, errors, stats = run_replicas(url, xs, 4, rounds=2, keep_rounds=None, **DIRECT)
     flat, _, _ = run_replicas(f"memory://flat-{uuid.uuid4().hex[:8]}", xs, 4, rounds=2, topology="flat")
@@ -85,31 +110,59 @@ def test_mean_is_the_flat_mean_with_no_marker_and_no_quorum(url: str, pieces: in
     keys = _store(url).list("rounds")
     assert keys and not [k for k in keys if "/ready/" in k or k.endswith("quorum.json") or "/reduced/" in k]
     assert stats[2].participants == [0, 1, 2, 3] and not stats[2].late
-    assert _header(url, 1, 2, pieces)["marker"]["rank"] == 2  # the vote carries its ready marker
-    assert _header(url, 1, 2, pieces)["marker"]["split"] == pieces
+    assert _header(url, 1, 2, Mode("direct", pieces))["marker"]["rank"] == 2  # the vote carries its ready marker
+    assert _header(url, 1, 2, Mode("direct", pieces))["marker"]["split"] == pieces
     assert len([k for k in keys if "/00000001/contrib/" in k]) == 4 * pieces
     p = 3001 * 4
     assert stats[1].bytes_up < p + 2048 and 3 * p < stats[1].bytes_down < 3 * p + 8192  # P up, (N-1)P down
 
 
-def test_straggler_is_tombstoned_and_adopts_the_result_when_it_comes(url: str, pieces: int) -> None:
+@pytest.mark.parametrize("split", [1, 2])
+def test_a_flat_round_votes_and_gives_the_bits_of_a_round_with_a_quorum(url: str, split: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import diloco_serverless.exchange.allreduce as exchange
+
+    monkeypatch.setattr(exchange, "split_for", lambda numel, n, protocol, *a: split)
+    xs = {r: randn(3001, r) for r in range(4)}
+    outs, errors, stats = run_replicas(url, xs, 4, rounds=2, keep_rounds=None, topology="flat")
+    quorum, _, qstats = run_replicas(f"memory://quorum-{uuid.uuid4().hex[:8]}", xs, 4, rounds=2, topology="flat",
+                                     make=WithQuorum)
+    assert not errors
+    assert_identical(outs)
+    for k in range(2):  # the same reduce over the same participants: the same bits
+        assert torch.equal(outs[0][k], quorum[0][k])
+    keys = _store(url).list("rounds")
+    assert not [k for k in keys if "/ready/" in k or k.endswith("quorum.json")]
+    assert {k for k in keys if "/00000001/votes/" in k} == {vote_key(1, q) for q in range(4)}
+    assert len([k for k in keys if "/00000001/reduced/" in k]) == 4 * split
+    assert _header(url, 1, 2, Mode("flat", split))["marker"]["protocol"] == "flat"
+    assert stats[2].participants == [0, 1, 2, 3] and len(stats[2].reduced_shards) == split
+    p = 3001 * 4
+    for r in range(4):  # P + P/N up and 2P(N-1)/N down, as with a quorum: only headers and votes differ
+        assert p * 1.25 < stats[r].bytes_up < p * 1.25 + 6000
+        assert p * 1.5 < stats[r].bytes_down < p * 1.5 + 12000
+        assert abs(stats[r].bytes_up - qstats[r].bytes_up) < 2048
+        assert abs(stats[r].bytes_down - qstats[r].bytes_down) < 4096
+
+
+def test_straggler_is_tombstoned_and_adopts_the_result_when_it_comes(url: str, mode: Mode) -> None:
     xs = {r: _ints(500, r) for r in range(3)}
-    outs, errors, stats = run_replicas(url, {0: xs[0], 1: xs[1]}, 3, min_replicas=2, keep_rounds=None, **DIRECT)
+    outs, errors, stats = run_replicas(url, {0: xs[0], 1: xs[1]}, 3, min_replicas=2, keep_rounds=None, **mode.kw)
     assert not errors
     assert_identical(outs)
     assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2) and stats[0].participants == [0, 1]
-    tomb = _header(url, 0, 2, pieces)
+    tomb = _header(url, 0, 2, mode)
     assert "straggler deadline" in tomb[EXCLUDED] and tomb["by"] in (0, 1)
-    late = ObjectStoreAllReduce(url, 2, 3, run_id="t", **FAST, **DIRECT)
+    late = ObjectStoreAllReduce(url, 2, 3, run_id="t", **FAST, **mode.kw)
     got = late.allreduce(xs[2], round=0)
     assert torch.equal(got, outs[0][0])  # its values were not averaged in, by anyone
     assert late.last_stats is not None and late.last_stats.late and late.last_stats.participants == [0, 1]
-    assert _header(url, 0, 2, pieces)[EXCLUDED] == tomb[EXCLUDED]  # its create lost to the tombstone
+    assert _header(url, 0, 2, mode)[EXCLUDED] == tomb[EXCLUDED]  # its create lost to the tombstone
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_a_contribution_racing_the_tombstones_is_in_for_everyone_or_for_no_one(
-        tmp_path: Path, seed: int, pieces: int) -> None:
+        tmp_path: Path, seed: int, mode: Mode) -> None:
     """Rank 2 arrives around the others' straggler deadline: whichever create wins, all three agree."""
     url = (tmp_path / "s").as_uri()
     xs = {r: _ints(800, r) for r in range(3)}
@@ -120,7 +173,7 @@ def test_a_contribution_racing_the_tombstones_is_in_for_everyone_or_for_no_one(
     def one(r: int) -> None:
         if r == 2:
             time.sleep(delay)
-        with ObjectStoreAllReduce(url, r, 3, run_id="t", min_replicas=2, **FAST, **DIRECT) as ar:
+        with ObjectStoreAllReduce(url, r, 3, run_id="t", min_replicas=2, **FAST, **mode.kw) as ar:
             outs[r] = ar.allreduce(xs[r])
             assert ar.last_stats is not None
             parts[r] = ar.last_stats.participants
@@ -135,29 +188,29 @@ def test_a_contribution_racing_the_tombstones_is_in_for_everyone_or_for_no_one(
     assert torch.equal(outs[0], sum(xs[q] for q in parts[0]) / len(parts[0]))  # type: ignore[operator]
 
 
-def test_abstention_leaves_the_replica_out_or_fails_everyone_alike(url: str, pieces: int) -> None:
+def test_abstention_leaves_the_replica_out_or_fails_everyone_alike(url: str, mode: Mode) -> None:
     xs = {r: _ints(300, r) for r in range(3)}
     bad = dict(xs)
     bad[1] = xs[1].clone()
     bad[1][7] = float("nan")
-    outs, errors, stats = run_replicas(url, bad, 3, min_replicas=2, **DIRECT)
+    outs, errors, stats = run_replicas(url, bad, 3, min_replicas=2, **mode.kw)
     assert not errors
     assert_identical(outs)
     assert torch.equal(outs[0][0], (xs[0] + xs[2]) / 2)
     assert stats[0].participants == [0, 2] and stats[1].late and "non-finite" in (stats[1].abstained or "")
     _, errors, _ = run_replicas(url.replace("direct-", "direct2-") if url.startswith("memory") else url + "2",
-                                bad, 3, **DIRECT)  # min_replicas = 3: nobody waits for the deadline
+                                bad, 3, **mode.kw)  # min_replicas = 3: nobody waits for the deadline
     assert set(errors) == {0, 1, 2}
     assert all(isinstance(e, AbstainedError) and "rank 1" in str(e) and "non-finite" in str(e) for e in errors.values())
 
 
-def test_a_restarted_replica_takes_part_with_what_it_stored_before(url: str, pieces: int) -> None:
+def test_a_restarted_replica_takes_part_with_what_it_stored_before(url: str, mode: Mode) -> None:
     xs = {r: _ints(400, r) for r in range(2)}
     _, errors, _ = run_replicas(url, {1: xs[1]}, 2, make=lambda u, r, w, **kw: DiesAfterReady(u, r, w, **kw),
-                                **DIRECT)
+                                **mode.kw)
     assert isinstance(errors[1], SystemExit)
     again = {0: xs[0], 1: xs[1] + 1000}  # the restarted rank 1 computed something else this time
-    outs, errors, stats = run_replicas(url, again, 2, **DIRECT)
+    outs, errors, stats = run_replicas(url, again, 2, **mode.kw)
     assert not errors
     assert_identical(outs)
     assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2) and stats[1].participants == [0, 1]
@@ -173,7 +226,7 @@ def test_a_restarted_replica_that_died_before_voting_rewrites_its_pieces(url: st
         ar = ObjectStoreAllReduce(url, 1, 2, run_id="t", **FAST, **DIRECT)
         assert ar._io is not None
         me = ar._marker(0, xs[1], "direct")
-        DirectRound(ar._io, me, ar._wait(time.monotonic() + 5))._put_pieces(xs[1] + 1000)
+        VotedRound(ar._io, me, ar._wait(time.monotonic() + 5))._put_pieces(xs[1] + 1000)
         assert not _store(url).exists(vote_key(0, 1)) and _store(url).exists(contrib_key(0, 2, 1))
         outs, errors, stats = run_replicas(url, xs, 2, **DIRECT)
     assert not errors
@@ -181,13 +234,13 @@ def test_a_restarted_replica_that_died_before_voting_rewrites_its_pieces(url: st
     assert torch.equal(outs[0][0], (xs[0] + xs[1]) / 2) and stats[0].participants == [0, 1]
 
 
-def test_a_dead_replicas_stored_contribution_is_all_the_others_need(url: str, pieces: int) -> None:
+def test_a_dead_replicas_stored_contribution_is_all_the_others_need(url: str, mode: Mode) -> None:
     xs = {r: _ints(400, r) for r in range(3)}
 
     def make(u: str, r: int, w: int, **kw: Any) -> ObjectStoreAllReduce:
         return (DiesAfterReady if r == 0 else ObjectStoreAllReduce)(u, r, w, **kw)
 
-    outs, errors, stats = run_replicas(url, xs, 3, make=make, **DIRECT)
+    outs, errors, stats = run_replicas(url, xs, 3, make=make, **mode.kw)
     assert set(errors) == {0}
     del outs[0]
     assert_identical(outs)
@@ -252,12 +305,12 @@ def test_timeout_names_the_missing_ranks(url: str) -> None:
     assert not _store(url).list(ready_prefix(0)) and not _store(url).exists(quorum_key(0))
 
 
-def test_read_reduced_replays_a_round_and_skips_it_for_a_participant(url: str, pieces: int) -> None:
+def test_read_reduced_replays_a_round_and_skips_it_for_a_participant(url: str, mode: Mode) -> None:
     xs = {r: randn(777, r) for r in range(3)}
     outs, errors, _ = run_replicas(url, {0: xs[0], 1: xs[1]}, 3, rounds=2, keep_rounds=None, min_replicas=2,
-                                   codec="bf16", **DIRECT)
+                                   codec="bf16", **mode.kw)
     assert not errors
-    ar = ObjectStoreAllReduce(url, 2, 3, run_id="t", codec="bf16", **FAST, **DIRECT)
+    ar = ObjectStoreAllReduce(url, 2, 3, run_id="t", codec="bf16", **FAST, **mode.kw)
     for k in range(2):
         got = ar.read_reduced(k, xs[2])
         assert got is not None and torch.equal(got, outs[1][k])
@@ -265,13 +318,13 @@ def test_read_reduced_replays_a_round_and_skips_it_for_a_participant(url: str, p
         assert ar.read_reduced(k, xs[2], unless_participant=2) is not None  # rank 2 was left out
     assert ar.read_reduced(5, xs[2]) is None
     with pytest.raises(MismatchError, match="777"):
-        ObjectStoreAllReduce(url, 2, 3, run_id="t", codec="bf16", **FAST, **DIRECT).read_reduced(0, torch.zeros(778))
+        ObjectStoreAllReduce(url, 2, 3, run_id="t", codec="bf16", **FAST, **mode.kw).read_reduced(0, torch.zeros(778))
 
 
-def test_replica_behind_a_pruned_round_is_told_to_heal_and_closes_nothing(url: str, pieces: int) -> None:
+def test_replica_behind_a_pruned_round_is_told_to_heal_and_closes_nothing(url: str, mode: Mode) -> None:
     xs = {r: _ints(100, r) for r in range(2)}
-    run_replicas(url, xs, 2, rounds=3, keep_rounds=1, **DIRECT)
-    ar = ObjectStoreAllReduce(url, 0, 2, run_id="t", **{**FAST, "min_replicas": 1}, **DIRECT)
+    run_replicas(url, xs, 2, rounds=3, keep_rounds=1, **mode.kw)
+    ar = ObjectStoreAllReduce(url, 0, 2, run_id="t", **{**FAST, "min_replicas": 1}, **mode.kw)
     with pytest.raises(RoundPrunedError, match="round 0.*checkpoint"):
         ar.allreduce(xs[0], round=0)
-    assert not _store(url).exists(contrib_key(0, 0, 1)) and not _store(url).exists(vote_key(0, 1))  # no tombstone
+    assert not _store(url).exists(mode.vote_key(0, 1)) and not _store(url).exists(vote_key(0, 1))  # no tombstone

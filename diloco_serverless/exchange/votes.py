@@ -1,30 +1,34 @@
-"""A direct round without a quorum object: each replica's create-only vote says it contributed.
+"""Rounds without a quorum object: each replica's create-only vote says it contributed.
 
-A direct round (:mod:`~diloco_serverless.exchange.topology`: whole tensors, everyone sums everyone's) with
-its data under ``rounds/`` (N <= 16) needs no ready marker and no ``quorum.json``. Each rank q has a
-vote key, written create-only: its contribution key ``rounds/<r>/contrib/0000/rank-<q>`` when its share
-is one object, else ``rounds/<r>/votes/rank-<q>``, written after the ``split`` pieces of its share
-(``contrib/<j>/rank-<q>``). The vote key ends up holding exactly one of:
+A direct round (:mod:`~diloco_serverless.exchange.topology`: whole tensors, everyone sums everyone's) or a
+flat one (shards reduced by their owners, then gathered) with its data under ``rounds/`` (N <= 16) needs no
+ready marker and no ``quorum.json``. Each rank q has a vote key, written create-only: in a direct round
+whose share is one object, its contribution key ``rounds/<r>/contrib/0000/rank-<q>``; otherwise
+``rounds/<r>/votes/rank-<q>``, written after every contribution object of q (the ``split`` pieces of its
+share in a direct round, its N x ``split`` shards in a flat one). The vote key ends up holding exactly
+one of:
 
 * rank q's **vote**: its ready marker (world size, element count, dtype, codec, protocol, split) in the
-  header, for the agreement check, with its values when its share is one object; or
+  header, for the agreement check, with its values when it is a direct round's whole share; or
 * a **tombstone**: an exchange object without values whose header says why rank q is left out: it
   abstained (written by q itself: its values were not finite), or it had not contributed when another
   replica's straggler deadline passed with at least ``min_replicas`` contributions (written by that replica).
 
 Whichever create comes first wins, so every replica that lists N keys reads the same N objects, and the
-participants are the ranks holding a vote: every replica sums the same contributions in rank order and
-returns bit-identical values, without waiting for a quorum to be written and read (two to three
-sequential round trips fewer than a round with one; docs/exchange.md, "Direct rounds without a
-quorum"). A replica that finds a tombstone where its vote should go is late: it receives the mean of the
-others. A restarted replica that finds its own earlier vote there takes part with what it stored then
-(the bytes every other replica reads; with pieces, it checks for its vote before rewriting any). A dead
-replica's stored contribution is all anyone needs of it.
+participants are the ranks holding a vote: the same participant list everywhere, as a quorum gives,
+without waiting for a quorum to be written and read (two to three sequential round trips fewer;
+docs/exchange.md, "Rounds without a quorum"). A direct round then sums the participants' contributions
+in rank order on every replica; a flat round hands the participants to the usual reduce and gather
+(create-only reduced shards, takeover of a dead owner's shard). A replica that finds a tombstone where
+its vote should go is late: it receives the mean of the others. A restarted replica that finds its own
+earlier vote there takes part with what it stored then (with contributions in several objects, it checks
+for its vote before rewriting any). A dead replica's stored contribution is all anyone needs of it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
@@ -48,30 +52,38 @@ from diloco_serverless.exchange.quorum import (
     Quorum,
     QuorumWait,
     ReadyMarker,
-    _check_skipped,
-    _grace_s,
     check_agreement,
+    check_moved_on,
+    grace_s,
 )
 from diloco_serverless.run.layout import contrib_key, spread_count, vote_key
 
-__all__ = ["DirectRound", "Entry", "mean_of", "quorumless", "read_entry"]
+__all__ = ["Entry", "VotedRound", "mean_of", "quorum_of", "quorumless", "read_entry"]
 
 #: The header field that makes an exchange object a tombstone (its value: why the rank is left out).
 EXCLUDED = "excluded"
 
 
-def quorumless(marker: ReadyMarker, sliced: bool = False) -> bool:
-    """Whether a round described by ``marker`` runs without a quorum object: a direct round whose data
-    lives under ``rounds/`` (N <= 16), outside a sliced (multi-device) exchange, whose slices share the
-    leader's quorum. Every replica derives the same answer."""
-    return not sliced and marker.protocol == "direct" and spread_count(marker.world_size) == 1
+def quorumless(marker: ReadyMarker, *, quorum: bool = False) -> bool:
+    """Whether a round described by ``marker`` runs without a quorum object: a direct or flat round whose
+    data lives under ``rounds/`` (N <= 16), unless the exchange gives every round a quorum (``quorum``: a
+    sliced, multi-device exchange, whose slices share the leader's). Hierarchical rounds keep theirs: a
+    group's partial sums need the participants before anyone reduces. Every replica derives the same
+    answer."""
+    return not quorum and marker.protocol in ("direct", "flat") and spread_count(marker.world_size) == 1
+
+
+def whole_vote(marker: ReadyMarker) -> bool:
+    """Whether the votes of the round ``marker`` describes are the contributions themselves: a direct
+    round whose share is one object."""
+    return marker.protocol == "direct" and marker.split == 1
 
 
 def vote_keys(marker: ReadyMarker) -> dict[int, str]:
-    """Each rank's vote key in the round ``marker`` describes: its contribution when its share is one
-    object, else ``votes/rank-<q>``."""
+    """Each rank's vote key in the round ``marker`` describes: its contribution when that is one object
+    (:func:`whole_vote`), else ``votes/rank-<q>``."""
     r, n = marker.round, marker.world_size
-    return {q: contrib_key(r, 0, q) if marker.split == 1 else vote_key(r, q) for q in range(n)}
+    return {q: contrib_key(r, 0, q) if whole_vote(marker) else vote_key(r, q) for q in range(n)}
 
 
 @dataclass(frozen=True)
@@ -98,7 +110,7 @@ def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -
 
 
 def vote(me: ReadyMarker, run_key: bytes | None) -> bytes:
-    """Rank ``me.rank``'s vote when its share is cut into pieces: its marker, no values."""
+    """Rank ``me.rank``'s vote when its contribution is several objects: its marker, no values."""
     header = {"run_id": me.run_id, "round": me.round, "shard": 0, "rank": me.rank, "marker": asdict(me)}
     return pack({}, header, run_key)
 
@@ -118,8 +130,9 @@ def tombstone(me: ReadyMarker, rank: int, reason: str, run_key: bytes | None) ->
 
 
 def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run_key: bytes | None) -> Entry:
-    """Parse what a vote key of a quorum-less round holds (a vote of a share in pieces has no values:
-    ``values`` is ``None`` until they are read). :class:`CorruptObjectError` naming ``key`` for bad bytes,
+    """Parse what a vote key of a quorum-less round holds (a vote separate from its contribution has no
+    values: ``values`` is ``None``; a direct round reads them from the pieces).
+    :class:`CorruptObjectError` naming ``key`` for bad bytes,
     a foreign run or round, a wrong rank or a missing signature; :class:`MismatchError` for a
     contribution of another exchange protocol (a replica configured differently: it carries no ready
     marker)."""
@@ -144,26 +157,35 @@ def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run
     marker = ReadyMarker.from_json(header["marker"], key=key)
     if marker.run_id != run_id or marker.round != round or marker.rank != rank:
         raise CorruptObjectError(f"exchange object {key!r} carries the marker of {marker.describe()}; refusing it")
-    if marker.split > 1:
+    if not whole_vote(marker):
         if tensors:
-            raise CorruptObjectError(f"vote {key!r} of a share in {marker.split} pieces holds values; refusing it")
+            raise CorruptObjectError(f"vote {key!r} of a {marker.protocol} round (split {marker.split}) holds "
+                                     "values; refusing it")
         return Entry(rank, marker=marker)
     expect = piece_header(marker, 0, (0, marker.numel))
     check_fields(header, key=key, expect=expect)
     return Entry(rank, marker=marker, values=decode_checked(tensors, key=key, expect=expect))
 
 
-def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torch.Tensor]:
-    """The participants (ranks holding a contribution) and their mean: summed in rank order in fp32,
-    divided by their count and passed through the codec, the same operations on every replica.
-    :class:`MismatchError` (the same on every replica) if they disagree on what they average."""
+def quorum_of(entries: dict[int, Entry], me: ReadyMarker) -> Quorum:
+    """The round's participants (ranks holding a vote) and their markers, as a quorum object would hold
+    them (``created_by`` -1: nobody wrote one). :class:`MismatchError` (the same on every replica) if
+    they disagree on what they average, :class:`AbstainedError` if nobody contributed."""
     participants = sorted(q for q, e in entries.items() if e.contributed)
     if not participants:
         raise AbstainedError(f"round {me.round}: no replica contributed (every one is tombstoned); nothing to average")
-    markers = {q: entries[q].marker for q in participants}
-    check_agreement(Quorum(me.run_id, me.round, participants, markers, -1), me)  # type: ignore[arg-type]
-    ref = markers[participants[0]]
-    assert ref is not None
+    markers = {q: m for q in participants if (m := entries[q].marker) is not None}
+    quorum = Quorum(me.run_id, me.round, participants, markers, -1)
+    check_agreement(quorum, me)
+    return quorum
+
+
+def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torch.Tensor]:
+    """The participants of a direct round and their mean: summed in rank order in fp32, divided by their
+    count and passed through the codec, the same operations on every replica. Errors of
+    :func:`quorum_of`."""
+    quorum = quorum_of(entries, me)
+    participants, ref = quorum.participants, quorum.markers[quorum.participants[0]]
     acc = torch.zeros(ref.numel, dtype=torch.float32)
     for q in participants:
         values = entries[q].values
@@ -174,16 +196,23 @@ def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torc
     return participants, torch.cat([roundtrip(acc[a:b], ref.codec) for a, b in shard_bounds(ref.numel, ref.split)])
 
 
-class DirectRound:
-    """One quorum-less direct round of replica ``me.rank`` (see the module docstring).
+class VotedRound:
+    """One quorum-less round of replica ``me.rank`` (see the module docstring).
 
     ``publish`` writes our contribution (or our abstention), ``collect`` waits until every rank's key
-    holds something, writing tombstones for the missing ones once the straggler deadline allows, and
-    :func:`mean_of` turns the result into the round's mean.
+    holds something, writing tombstones for the missing ones once the straggler deadline allows;
+    :func:`mean_of` turns a direct round's result into its mean, :func:`quorum_of` a flat round's into
+    its participants. ``put_share`` writes a flat round's contribution objects (the exchange's own
+    shard layout) before the vote; a direct round writes its own.
     """
 
-    def __init__(self, io: CountingStore, me: ReadyMarker, wait: QuorumWait) -> None:
+    def __init__(self, io: CountingStore, me: ReadyMarker, wait: QuorumWait,
+                 put_share: Callable[[torch.Tensor], None] | None = None) -> None:
         self.io, self.me, self.p = io, me, wait
+        self.direct = me.protocol == "direct"
+        if not self.direct and put_share is None:
+            raise ValueError(f"a {me.protocol} round without a quorum needs put_share to write its shards")
+        self.put_share = put_share
         self.keys = vote_keys(me)
         self.prefix = self.keys[0].rsplit("/", 1)[0]
         self.entries: dict[int, Entry] = {}
@@ -197,17 +226,21 @@ class DirectRound:
         voting), that is what counts. Unless ``fresh`` (a first try, see ``ObjectStoreAllReduce``), a
         share in pieces checks for our vote before rewriting any piece. Returns our entry."""
         key, run_key, me = self.keys[self.me.rank], self.p.run_key, self.me
-        if me.split > 1 and not fresh:
+        if not whole_vote(me) and not fresh:
             stored = self.io.get_or_none(key)
             if stored is not None:
                 return self._settle(self._read(me.rank, stored))
         if abstain is not None:
             blob, mine = tombstone(me, me.rank, abstain, run_key), Entry(me.rank, reason=abstain, by=me.rank)
-        elif me.split == 1:
+        elif whole_vote(me):
             blob, values = contribution(flat, me, run_key)
             mine = Entry(me.rank, marker=me, values=values)
-        else:
+        elif self.direct:
             blob, mine = vote(me, run_key), Entry(me.rank, marker=me, values=self._put_pieces(flat))
+        else:
+            assert self.put_share is not None
+            self.put_share(flat)
+            blob, mine = vote(me, run_key), Entry(me.rank, marker=me)
         if not self.io.put_if_absent(key, blob):
             return self._settle(self._read(me.rank, self.io.get(key)))
         self.entries[me.rank] = mine
@@ -226,9 +259,11 @@ class DirectRound:
         self._read_pieces()
         return dict(sorted(self.entries.items()))
 
-    def collect(self) -> dict[int, Entry]:
-        """Poll the round's contribution prefix, reading each object as it appears, until all N keys
-        hold something; returns them by rank. Past our straggler deadline, with ``min_replicas``
+    def collect(self, on_vote: Callable[[set[int]], None] | None = None) -> dict[int, Entry]:
+        """Poll the round's vote prefix, reading each object as it appears, until all N keys hold
+        something; returns them by rank. ``on_vote`` sees the ranks whose vote has been read each time
+        new ones are (a flat round starts fetching their shards there). Past our straggler deadline, with
+        ``min_replicas``
         contributions, tombstones the missing ranks (the lowest contributor at once, anyone else after a
         grace of four round trips). Raises :class:`AbstainedError` (everywhere alike) when too few can
         contribute, ``TimeoutError`` naming the missing ranks at the round deadline, and
@@ -238,12 +273,16 @@ class DirectRound:
         sleep_s, last_skip_check = min(FIRST_POLL_S, p.poll_interval_s), started - 1.0
         reading: dict[int, Future[bytes | None]] = {}
         entitled_since: float | None = None
-        seen = 0
+        seen, announced = 0, set[int]()
         while True:
             present = {q for q in ranks_in(io.list(self.prefix)) if 0 <= q < n} | set(self.entries)
             for q in sorted(present - set(self.entries) - set(reading)):
                 reading[q] = io.get_async(self.keys[q])
             self._take(reading, wait=len(present) == n)
+            voted = {q for q, e in self.entries.items() if e.contributed}
+            if on_vote is not None and voted - announced:
+                on_vote(voted)
+                announced = voted
             if len(self.entries) == n:
                 self._check_enough()
                 self._read_pieces()
@@ -252,13 +291,13 @@ class DirectRound:
             now = time.monotonic()
             if now - started >= p.straggler_timeout_s:
                 if now - last_skip_check >= 1.0:  # first: a round the run left behind is never closed by us
-                    _check_skipped(io, self.me, contributions=True)
+                    check_moved_on(io, self.me, voted=True)
                     last_skip_check = now
                 self._take(reading, wait=True)
                 contributors = [q for q, e in self.entries.items() if e.contributed]
                 if len(contributors) >= p.min_replicas:
                     entitled_since = now if entitled_since is None else entitled_since
-                    if self.me.rank == min(contributors) or now - entitled_since >= _grace_s(io, p):
+                    if self.me.rank == min(contributors) or now - entitled_since >= grace_s(io, p):
                         self._exclude(sorted(set(range(n)) - set(self.entries)))
                         continue
             if now >= p.deadline:
@@ -290,9 +329,9 @@ class DirectRound:
                 self._add(self._read(q, data))
 
     def _add(self, entry: Entry) -> None:
-        """Record ``entry``; a vote of a share in pieces starts the GETs of its pieces."""
+        """Record ``entry``; in a direct round, a vote of a share in pieces starts the GETs of its pieces."""
         self.entries[entry.rank] = entry
-        if entry.marker is not None and entry.values is None:
+        if self.direct and entry.marker is not None and entry.values is None:
             keys = [contrib_key(self.me.round, j, entry.rank) for j in range(entry.marker.split)]
             self.pieces[entry.rank] = [self.io.get_async(k) for k in keys]
 
