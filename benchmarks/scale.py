@@ -65,6 +65,7 @@ from diloco_serverless.run.layout import (  # noqa: E402
     ready_prefix,
     reduced_key,
     spread_count,
+    vote_key,
 )
 from diloco_serverless.store.objectstore import ObjectStore  # noqa: E402
 from support.store_presets import StorePreset, preset  # noqa: E402
@@ -98,7 +99,8 @@ def _bounds(p: int, s: int) -> list[int]:
 
 def schedule(n: int, topology: str, p: int) -> list[Phase]:
     """One steady-state round's requests per replica, phase by phase (all N take part; nobody dies;
-    the replicas finished the previous round, so none reads ``quorum.json`` before publishing), as
+    the replicas finished the previous round, so none reads ``quorum.json`` or its own vote before
+    publishing; a flat round at N <= 16 votes instead of forming a quorum), as
     ObjectStoreAllReduce issues them (cross-checked against the real code by ``--check``)."""
     spread = spread_count(n)
     hier = topology == "hierarchical"
@@ -108,8 +110,15 @@ def schedule(n: int, topology: str, p: int) -> list[Phase]:
     obj = [b + HEADER_BYTES for b in size]
     pub, quo = Phase("publish"), Phase("quorum")
     pages = max(1, math.ceil(n / 1000))
+    voted = spread == 1 and not hier  # N <= 16: a flat round votes instead of forming a quorum (exchange/votes.py)
     for q in range(n):
         pub.reqs[q] += [Req("PUT", contrib_key(0, j, q, spread), obj[j]) for j in range(s)]
+        if voted:
+            pub.reqs[q].append(Req("PUT", vote_key(0, q), 600))  # create-only, after the shards
+            # two polls of the vote prefix, and each other vote read as it appears
+            quo.reqs[q] += [Req("LIST", vote_key(0, q).rsplit("/", 1)[0]) for _ in range(2)]
+            quo.reqs[q] += [Req("GET", vote_key(0, o), 600) for o in range(n) if o != q]
+            continue
         pub.reqs[q].append(Req("PUT", ready_key(0, q), 300))
         # two polls: LIST the ready markers (one page per 1,000); once all are ready the writer (rank 0)
         # creates quorum.json (the markers' names carry their MACs: it reads none) and the others GET it
@@ -117,7 +126,8 @@ def schedule(n: int, topology: str, p: int) -> list[Phase]:
         quo.reqs[q] += [Req("LIST", ready_prefix(0)) for _ in range(2 * pages)]
         if q:
             quo.reqs[q] += [Req("GET", quorum_key(0)), Req("GET", quorum_key(0), 300 * n)]
-    quo.reqs[0].append(Req("PUT", quorum_key(0), 300 * n))
+    if not voted:
+        quo.reqs[0].append(Req("PUT", quorum_key(0), 300 * n))
     phases = [pub, quo]
     if not hier:
         red, gat = Phase("reduce"), Phase("gather")
