@@ -445,7 +445,8 @@ class ExchangeConfig(_Section):
     straggler_timeout_s: float = Field(
         STRAGGLER_TIMEOUT_S,
         gt=0.0,
-        description="After the first ready marker, wait this long for the rest before a partial quorum.",
+        description="After publishing, wait this long for the others before a round closes without them "
+        "(a partial quorum, or tombstones at N <= 16).",
     )
     round_timeout_s: float = Field(
         ROUND_TIMEOUT_S, gt=0.0, description="Give up on a round (TimeoutError) after this long."

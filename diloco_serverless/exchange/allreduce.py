@@ -383,7 +383,7 @@ class ObjectStoreAllReduce:
         mine = round_.publish(flat, rs.stats.abstained, fresh=fresh)
         waited = time.monotonic()
         rs.stats.phases_s["publish"] = waited - t
-        entries = round_.collect(None if direct else lambda voted: self._prefetch(rs, voted))
+        entries = round_.collect(None if direct else lambda listed: self._prefetch(rs, listed))
         rs.stats.wait_s += round_.wait_s
         t = time.monotonic()
         rs.stats.phases_s["quorum"] = t - waited
@@ -409,8 +409,7 @@ class ObjectStoreAllReduce:
                                                max_object_bytes(self.codec, like.numel())))
         if not quorumless(me, quorum=self._QUORUM):
             return None
-        entries = VotedRound(io, me, self._wait(time.monotonic() + self.timeout_s),
-                             None if me.protocol == "direct" else (lambda _: None)).stored()
+        entries = VotedRound(io, me, self._wait(time.monotonic() + self.timeout_s)).stored()
         if entries is None:
             return None
         ref = next((e.marker for e in entries.values() if e.marker is not None), None)

@@ -210,8 +210,6 @@ class VotedRound:
                  put_share: Callable[[torch.Tensor], None] | None = None) -> None:
         self.io, self.me, self.p = io, me, wait
         self.direct = me.protocol == "direct"
-        if not self.direct and put_share is None:
-            raise ValueError(f"a {me.protocol} round without a quorum needs put_share to write its shards")
         self.put_share = put_share
         self.keys = vote_keys(me)
         self.prefix = self.keys[0].rsplit("/", 1)[0]
@@ -238,7 +236,8 @@ class VotedRound:
         elif self.direct:
             blob, mine = vote(me, run_key), Entry(me.rank, marker=me, values=self._put_pieces(flat))
         else:
-            assert self.put_share is not None
+            if self.put_share is None:
+                raise ValueError(f"a {me.protocol} round without a quorum needs put_share to write its shards")
             self.put_share(flat)
             blob, mine = vote(me, run_key), Entry(me.rank, marker=me)
         if not self.io.put_if_absent(key, blob):
@@ -259,10 +258,12 @@ class VotedRound:
         self._read_pieces()
         return dict(sorted(self.entries.items()))
 
-    def collect(self, on_vote: Callable[[set[int]], None] | None = None) -> dict[int, Entry]:
+    def collect(self, on_listed: Callable[[set[int]], None] | None = None) -> dict[int, Entry]:
         """Poll the round's vote prefix, reading each object as it appears, until all N keys hold
-        something; returns them by rank. ``on_vote`` sees the ranks whose vote has been read each time
-        new ones are (a flat round starts fetching their shards there). Past our straggler deadline, with
+        something; returns them by rank. ``on_listed`` sees the ranks whose vote key holds something
+        each time a listing shows new ones: a vote is written after every contribution object of its
+        rank, so a flat round starts fetching their shards there, while the votes are being read (a
+        tombstone's rank is simply never summed). Past our straggler deadline, with
         ``min_replicas``
         contributions, tombstones the missing ranks (the lowest contributor at once, anyone else after a
         grace of four round trips). Raises :class:`AbstainedError` (everywhere alike) when too few can
@@ -278,11 +279,10 @@ class VotedRound:
             present = {q for q in ranks_in(io.list(self.prefix)) if 0 <= q < n} | set(self.entries)
             for q in sorted(present - set(self.entries) - set(reading)):
                 reading[q] = io.get_async(self.keys[q])
+            if on_listed is not None and present - announced:
+                on_listed(present)
+                announced = present
             self._take(reading, wait=len(present) == n)
-            voted = {q for q, e in self.entries.items() if e.contributed}
-            if on_vote is not None and voted - announced:
-                on_vote(voted)
-                announced = voted
             if len(self.entries) == n:
                 self._check_enough()
                 self._read_pieces()

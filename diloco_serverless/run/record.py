@@ -6,7 +6,7 @@ The bucket is the only thing replicas and the CLI share, so a run *is* its folde
     run.json                                 {"run_id", "created_at", "version", "config", "launch"}
     members/rank-<r>.json                    heartbeat (see :class:`Heartbeat`)
     rounds/<round:08d>/ready/rank-<r>        exchange objects (written by allreduce.py)
-    rounds/<round:08d>/quorum.json
+    rounds/<round:08d>/quorum.json           (N <= 16 flat/direct: rounds/<round:08d>/votes/rank-<r>)
     rounds/<round:08d>/contrib/<shard:04d>/rank-<r>
     rounds/<round:08d>/reduced/<shard:04d>
     checkpoints/<round:08d>/...   checkpoints/latest.json

@@ -265,7 +265,7 @@ class ManagerBase(abc.ABC):
     ) -> None:
         """Ready the manager for a new round: wait for any in-flight exchange, clear the error.
 
-        The quorum itself is formed inside the round (``quorum.json`` in the store), not here.
+        The participants are fixed inside the round (``quorum.json``, or the votes at N <= 16), not here.
         """
         self._wait_inflight()
         self._errored = None

@@ -328,3 +328,12 @@ def test_replica_behind_a_pruned_round_is_told_to_heal_and_closes_nothing(url: s
     with pytest.raises(RoundPrunedError, match="round 0.*checkpoint"):
         ar.allreduce(xs[0], round=0)
     assert not _store(url).exists(mode.vote_key(0, 1)) and not _store(url).exists(vote_key(0, 1))  # no tombstone
+
+
+def test_a_flat_vote_without_a_share_writer_is_refused_before_anything_is_written(url: str) -> None:
+    ar = ObjectStoreAllReduce(url, 0, 2, run_id="t", topology="flat", **FAST)
+    assert ar._io is not None
+    me = ar._marker(0, _ints(50, 0), "flat")
+    with pytest.raises(ValueError, match="flat round without a quorum needs put_share"):
+        VotedRound(ar._io, me, ar._wait(time.monotonic() + 5)).publish(_ints(50, 0), None, fresh=True)
+    assert not _store(url).list("rounds")
