@@ -277,8 +277,8 @@ class CountingStore:
 
     def get_async(self, key: str, *, control: bool = False) -> Future[bytes | None]:
         """Start one GET in the background; the future yields ``None`` if the object is missing.
-        ``control`` objects (ready markers) use a pool of their own, so they never queue behind
-        contribution downloads."""
+        ``control`` objects (ready markers, the votes of a flat round: up to 16 at once) use a pool of
+        their own, so they never queue behind contribution downloads."""
         pool = self._control_executor() if control else self._executor()
         return pool.submit(lambda: self.get_many([key], missing_ok=True).get(key))
 
@@ -295,7 +295,7 @@ class CountingStore:
     def _control_executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._control is None:
-                self._control = ThreadPoolExecutor(max_workers=4, thread_name_prefix="exchange-control")
+                self._control = ThreadPoolExecutor(max_workers=16, thread_name_prefix="exchange-control")
             return self._control
 
     def close(self) -> None:

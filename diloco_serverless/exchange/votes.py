@@ -277,8 +277,8 @@ class VotedRound:
         seen, announced = 0, set[int]()
         while True:
             present = {q for q in ranks_in(io.list(self.prefix)) if 0 <= q < n} | set(self.entries)
-            for q in sorted(present - set(self.entries) - set(reading)):
-                reading[q] = io.get_async(self.keys[q])
+            for q in sorted(present - set(self.entries) - set(reading)):  # a vote without values is a control
+                reading[q] = io.get_async(self.keys[q], control=not whole_vote(self.me))  # object: own pool
             if on_listed is not None and present - announced:
                 on_listed(present)
                 announced = present
