@@ -188,15 +188,21 @@ def test_a_replica_puts_its_reduced_shards_concurrently(s3_server: str, bucket: 
         assert second.arrived < first.answered, f"rank {rank} PUT its reduced shards one after the other"
 
 
-def test_a_small_direct_round_sends_the_naive_exchanges_requests(emu: StoreEmulator, bucket: str) -> None:
-    """A direct round without a quorum: per replica one (create-only) PUT, listings, and one GET per peer;
-    no ready marker, no quorum.json, no HEAD, no GET that misses."""
+def _two_rounds_of_three(emu: StoreEmulator, bucket: str, topology: str) -> tuple[dict[int, Any], list[Request]]:
+    """Two rounds of 3 replicas on small integers, checked bit-identical and exact; their stats and the
+    emulator's request log."""
     xs = {r: _ints(3000, r) for r in range(3)}
-    outs, errors, stats = run_replicas(f"s3://{bucket}", xs, 3, rounds=2, make=_maker(emu.url), topology="auto")
+    outs, errors, stats = run_replicas(f"s3://{bucket}", xs, 3, rounds=2, make=_maker(emu.url), topology=topology)
     assert not errors
     assert_identical(outs)
     assert torch.equal(outs[0][1], (xs[0] + xs[1] + xs[2]) * 2 / 3)
-    log = emu.requests()
+    return stats, emu.requests()
+
+
+def test_a_small_direct_round_sends_the_naive_exchanges_requests(emu: StoreEmulator, bucket: str) -> None:
+    """A direct round without a quorum: per replica one (create-only) PUT, listings, and one GET per peer;
+    no ready marker, no quorum.json, no HEAD, no GET that misses."""
+    stats, log = _two_rounds_of_three(emu, bucket, "auto")
     assert not [r for r in log if "/ready/" in r.key or r.key.endswith("quorum.json") or "/reduced/" in r.key]
     assert not [r for r in log if r.method == "HEAD" or (r.method == "GET" and r.status == 404)]
     for rank in range(3):
@@ -214,12 +220,7 @@ def test_a_small_flat_round_votes_instead_of_writing_a_quorum(emu: StoreEmulator
     it reads the others' votes, their contributions to its shard and the other reduced shards. No ready
     marker, no quorum.json, no HEAD; the one GET that misses is of its own vote, before its first round
     (a restarted replica may have voted already), as a round with a quorum reads the quorum then."""
-    xs = {r: _ints(3000, r) for r in range(3)}
-    outs, errors, stats = run_replicas(f"s3://{bucket}", xs, 3, rounds=2, make=_maker(emu.url), topology="flat")
-    assert not errors
-    assert_identical(outs)
-    assert torch.equal(outs[0][1], (xs[0] + xs[1] + xs[2]) * 2 / 3)
-    log = emu.requests()
+    stats, log = _two_rounds_of_three(emu, bucket, "flat")
     assert not [r for r in log if "/ready/" in r.key or r.key.endswith("quorum.json")]
     missed = [(r.client, r.key) for r in log if r.method == "HEAD" or (r.method == "GET" and r.status == 404)]
     assert sorted(missed) == [(f"rank-{q}", f"t/{vote_key(0, q)}") for q in range(3)]
