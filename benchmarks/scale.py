@@ -18,8 +18,10 @@ below the bucket of ``s3://bucket/<run_id>/<key>`` (so ``<run_id>/x<hh>`` for a 
 run in lockstep (every replica needs the previous phase's objects); a phase lasts as long as its
 slowest replica (ceil(requests / 16 connections) x latency + bytes / bandwidth), stretched where a
 prefix's requests exceed its rate limit (what a store's 503 SlowDown + retry does). Waiting costs
-what the real code's polls cost when each wait sees one empty poll: the quorum two LISTs of the
-ready markers and, for all but its writer, two GETs of quorum.json; a flat gather one LIST (unspread)
+what the real code's polls cost when each wait sees one empty poll: the quorum, for ranks below 16,
+two LISTs of the ready markers and, for all but its writer, two GETs of quorum.json; above 16 replicas
+the other ranks two GETs of their copy of it, which the writer puts after its create (a phase of its
+own, exchange/quorum.py); a flat gather one LIST (unspread)
 or one GET of a missing shard; a hierarchical wait one GET of one missing object (exchange/hierarchical.py polls
 one object, then fetches the rest). Shards larger than the part size are split (docs/exchange.md,
 "Round trips"), as the real code does on S3.
@@ -55,11 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from diloco_serverless.exchange import topology as topology_module  # noqa: E402
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce  # noqa: E402
+from diloco_serverless.exchange.quorum import ReadyMarker, copy_to_read, quorum_copies  # noqa: E402
 from diloco_serverless.exchange.topology import AUTO_HIERARCHICAL_FROM, branching, levels, split_for  # noqa: E402
 from diloco_serverless.launcher.pricing import MODAL_USD_PER_HOUR  # noqa: E402
 from diloco_serverless.run.layout import (  # noqa: E402
     contrib_key,
     partial_key,
+    quorum_copy_key,
     quorum_key,
     ready_key,
     ready_prefix,
@@ -67,7 +71,7 @@ from diloco_serverless.run.layout import (  # noqa: E402
     spread_count,
     vote_key,
 )
-from diloco_serverless.store.objectstore import ObjectStore  # noqa: E402
+from support.recording_store import RecordingStore  # noqa: E402
 from support.store_presets import StorePreset, preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale.json"
@@ -108,7 +112,7 @@ def schedule(n: int, topology: str, p: int) -> list[Phase]:
     s = branching(n) if hier else n * split
     size = _bounds(p, s)
     obj = [b + HEADER_BYTES for b in size]
-    pub, quo = Phase("publish"), Phase("quorum")
+    pub, quo, cop = Phase("publish"), Phase("quorum"), Phase("copies")
     pages = max(1, math.ceil(n / 1000))
     voted = spread == 1 and not hier  # N <= 16: a flat round votes instead of forming a quorum (exchange/votes.py)
     for q in range(n):
@@ -120,15 +124,23 @@ def schedule(n: int, topology: str, p: int) -> list[Phase]:
             quo.reqs[q] += [Req("GET", vote_key(0, o), 600) for o in range(n) if o != q]
             continue
         pub.reqs[q].append(Req("PUT", ready_key(0, q), 300))
-        # two polls: LIST the ready markers (one page per 1,000); once all are ready the writer (rank 0)
-        # creates quorum.json (the markers' names carry their MACs: it reads none) and the others GET it
-        # (one miss, one hit)
+        copy = copy_to_read(ReadyMarker(RUN_ID, 0, q, n, p // 4, "torch.float32", [p // 4], "fp32"))
+        if copy is not None:  # a reader (N > 16, rank >= 16): polls its copy of the quorum (one miss, one hit)
+            quo.reqs[q].append(Req("GET", copy))
+            cop.reqs[q].append(Req("GET", copy, 300 * n))
+            continue
+        # a lister, two polls: LIST the ready markers (one page per 1,000); once all are ready the writer
+        # (rank 0) creates quorum.json (the markers' names carry their MACs: it reads none) and the
+        # other listers GET it (one miss, one hit)
         quo.reqs[q] += [Req("LIST", ready_prefix(0)) for _ in range(2 * pages)]
         if q:
             quo.reqs[q] += [Req("GET", quorum_key(0)), Req("GET", quorum_key(0), 300 * n)]
     if not voted:
         quo.reqs[0].append(Req("PUT", quorum_key(0), 300 * n))
-    phases = [pub, quo]
+        # then its copies for the readers (exchange/quorum.py, put_copies)
+        for c in range(quorum_copies(n)):
+            cop.reqs[0].append(Req("PUT", quorum_copy_key(0, c, spread), 300 * n))
+    phases = [pub, quo] + ([cop] if cop.reqs else [])
     if not hier:
         red, gat = Phase("reduce"), Phase("gather")
         for q in range(n):
@@ -254,50 +266,6 @@ def simulate(n: int, topology: str, p: int, st: StorePreset) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- real run
 
 
-class RequestCounter(ObjectStore):
-    """An ObjectStore that counts the requests the exchange issues through it (one per GET, PUT,
-    create-only PUT, LIST page, existence check; deletes counted apart: pruning is not in the round)."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
-        self.counts: dict[str, int] = defaultdict(int)
-
-    def _same(self, other: ObjectStore) -> ObjectStore:
-        other.__class__ = RequestCounter  # child()/with_retry() build a plain ObjectStore sharing our __dict__
-        return other
-
-    def child(self, prefix: str) -> ObjectStore:
-        return self._same(super().child(prefix))
-
-    def with_retry(self, retry: Any) -> ObjectStore:
-        return self._same(super().with_retry(retry))
-
-    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        self.counts["GET"] += 1
-        return super().get(key, max_bytes=max_bytes)
-
-    def put(self, key: str, data: bytes) -> None:
-        self.counts["PUT"] += 1
-        super().put(key, data)
-
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        self.counts["PUT"] += 1
-        return super().put_if_absent(key, data)
-
-    def list(self, prefix: str = "") -> list[str]:
-        out = super().list(prefix)
-        self.counts["LIST"] += max(1, math.ceil(len(out) / 1000))
-        return out
-
-    def exists(self, key: str) -> bool:
-        self.counts["HEAD"] += 1
-        return super().exists(key)
-
-    def delete(self, key: str, *, recursive: bool = False) -> None:
-        self.counts["DELETE"] += 1
-        super().delete(key, recursive=recursive)
-
-
 def _replica(
     url: str, r: int, n: int, topology: str, numel: int, rounds: int, three_from: int
 ) -> tuple[float, int, int]:
@@ -305,7 +273,7 @@ def _replica(
     (wall s of the last round, its bytes, its requests without deletes)."""
     topology_module.THREE_LEVELS_FROM = three_from  # a spawned process starts from the module default
     x = torch.randn(numel, generator=torch.Generator().manual_seed(r))
-    store = RequestCounter(url)
+    store = RecordingStore(url)
     with ObjectStoreAllReduce(store, r, n, run_id="scale", topology=topology, poll_interval_s=0.05,
                               straggler_timeout_s=60, takeover_timeout_s=60, timeout_s=300) as ar:
         for _ in range(rounds):

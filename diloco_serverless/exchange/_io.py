@@ -5,6 +5,7 @@ a round is (docs/architecture.md, "The exchange protocol")::
 
     rounds/<round:08d>/ready/rank-<r>.<mac>       JSON ReadyMarker, written after all of r's contributions
     rounds/<round:08d>/quorum.json                create-only: participants + their markers
+    x<hh>/<round:08d>/quorum.json                 above 16 replicas: copies of it, one per 64 replicas
     rounds/<round:08d>/contrib/<shard:04d>/rank-<r>
     rounds/<round:08d>/reduced/<shard:04d>        create-only: the averaged shard
 
@@ -44,12 +45,12 @@ _RANK_RE = re.compile(r"rank-(\d+)(?:\.([0-9a-f]+))?$")
 _SHARD_RE = re.compile(r"/(\d{4,})$")
 _ROUND = rf"{re.escape(ROUNDS_PREFIX)}/(\d{{8,}})"
 _OWN_MARKER_RE = re.compile(rf"{_ROUND}/ready/rank-\d+(?:\.[0-9a-f]+)?")
-_QUORUM_RE = re.compile(rf"{_ROUND}/quorum\.json")
 _DATA_ROUND = rf"(?:{re.escape(ROUNDS_PREFIX)}|{re.escape(SPREAD_PREFIX)}[0-9a-f]{{2}})/(\d{{8,}})"
+_QUORUM_RE = re.compile(rf"{_DATA_ROUND}/quorum\.json")  # quorum.json, or a copy of it in a spread run
 _SHARD_OBJECT_RE = re.compile(
     rf"{_DATA_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}})|partial/(?:l\d/)?\d{{4,}}/(\d{{4,}}))"
 )
-_ROUND_RE = re.compile(_ROUND)
+_ROUND_RE = re.compile(_DATA_ROUND)
 _KEEP_LAYOUTS = 8  # rounds whose layout a CountingStore remembers (the newest)
 #: Concurrent GETs of one replica: a round splits large tensors into part-sized shards (topology.split_for),
 #: so a gather is many single-part objects; the store's connection pool (64) is the real bound.
@@ -177,6 +178,11 @@ class CountingStore:
         self._add(up=len(data))
         if _OWN_MARKER_RE.fullmatch(key):  # our own ready marker: the round's layout as we know it
             self._learn(key, data, own=True)
+
+    def put_async(self, key: str, data: bytes) -> Future[None]:
+        """Start one PUT in the background, on the control pool (small objects that nobody in this
+        replica waits for: the copies of a quorum)."""
+        return self._control_executor().submit(self.put, key, data)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         created = self.store.put_if_absent(key, data)

@@ -13,6 +13,16 @@ writes ``quorum.json`` with create-only semantics (S3 ``If-None-Match: *``, GCS
 copies the participants' ready markers, so every replica, including late ones, checks that all
 participants agree on element count, dtype and codec *before* anything is reduced, and raises the
 same :class:`MismatchError` everywhere.
+
+Above 16 replicas (a spread run, :func:`~diloco_serverless.run.layout.spread_count`) N replicas polling
+one prefix would exceed the store's per-prefix request rate (S3: 5,500 GET/s; 1,024 replicas listing
+the ready markers and reading ``quorum.json`` offered ~100,000/s in the scale model). There only ranks
+below :data:`QUORUM_LISTERS` list the ready markers on every poll; the writer, once its create won,
+puts :func:`quorum_copies` copies of ``quorum.json`` in the spread prefixes, and every other replica
+(a *reader*) polls its copy, listing the ready markers only every :func:`reader_list_s` (rates shared
+out so that the readers together stay under :data:`READER_LIST_RATE`). That slow listing is also how a
+reader finds a round it must close itself: every lister dead, a straggler deadline, abstentions, a copy
+that never came (it then reads ``quorum.json`` itself).
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -39,10 +51,23 @@ from diloco_serverless.run.integrity import MAC_FIELD, mac_json, verify_json
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
     abstain_key,
+    quorum_copy_key,
     quorum_key,
     ready_key,
     ready_prefix,
+    spread_count,
 )
+
+logger = logging.getLogger(__name__)
+
+#: In a run of more than 16 replicas, ranks below this list the ready markers on every poll (as every
+#: replica of a smaller run does) and read ``quorum.json`` itself; the others read a copy.
+QUORUM_LISTERS = 16
+#: Replicas per copy of the quorum in a spread run (each copy is read by at most this many, twice).
+REPLICAS_PER_COPY = 64
+#: Listing requests per second that the readers of a round send to its ready prefix, all together
+#: (a fifth of S3's 5,500 GET/s per prefix).
+READER_LIST_RATE = 1000.0
 
 
 @dataclass(frozen=True)
@@ -307,9 +332,59 @@ def _try_create(
     if not markers:
         return None
     q = Quorum(me.run_id, me.round, sorted(markers), markers, me.rank)
-    if io.put_if_absent(quorum_key(me.round), signed_json(run_key, "quorum", q.to_json())):
+    data = signed_json(run_key, "quorum", q.to_json())
+    if io.put_if_absent(quorum_key(me.round), data):
+        put_copies(io, me, data)
         return q
     return None
+
+
+def quorum_copies(world_size: int) -> int:
+    """How many copies of ``quorum.json`` the writer of a round puts for its readers: none up to 16
+    replicas (every replica reads ``quorum.json``), else one per :data:`REPLICAS_PER_COPY` replicas, in
+    as many spread prefixes (at most all of them): 1 at N = 17-64, 4 at 256, 16 at 1,024."""
+    spread = spread_count(world_size)
+    return 0 if spread == 1 else min(spread, math.ceil(world_size / REPLICAS_PER_COPY))
+
+
+def copy_to_read(me: ReadyMarker) -> str | None:
+    """The key of the quorum copy ``me`` polls, or ``None`` for a replica that lists the ready markers
+    and reads ``quorum.json`` itself (every replica up to 16, the ranks below :data:`QUORUM_LISTERS` above)."""
+    copies = quorum_copies(me.world_size)
+    if copies == 0 or me.rank < QUORUM_LISTERS:
+        return None
+    return quorum_copy_key(me.round, me.rank % copies, spread_count(me.world_size))
+
+
+def put_copies(io: CountingStore, me: ReadyMarker, data: bytes) -> None:
+    """Put the copies of the quorum ``data`` that ``me`` just created, in the background. A copy that
+    fails is logged and left: its readers find ``quorum.json`` itself at their next slow listing."""
+    spread = spread_count(me.world_size)
+    for c in range(quorum_copies(me.world_size)):
+        key = quorum_copy_key(me.round, c, spread)
+
+        def done(f: Future[None], key: str = key) -> None:
+            if f.exception() is not None:
+                logger.warning("could not put the quorum copy %s (%s); its readers will read quorum.json "
+                               "at their next listing", key, f.exception())
+
+        io.put_async(key, data).add_done_callback(done)
+
+
+def reader_list_s(io: CountingStore, p: QuorumWait) -> float:
+    """How often a reader (:func:`copy_to_read`) lists the ready markers: the readers' listing pages
+    shared out under :data:`READER_LIST_RATE` per second (2 s at N = 1,024), and never more often
+    than the grace a writer gets (:func:`grace_s`)."""
+    readers = max(0, p.world_size - QUORUM_LISTERS)
+    return max(grace_s(io, p), readers * math.ceil(p.world_size / 1000) / READER_LIST_RATE)
+
+
+def _read_copy(io: CountingStore, me: ReadyMarker, key: str, run_key: bytes | None) -> Quorum | None:
+    """The quorum from the copy at ``key``; ``None`` while it is missing. Raises :class:`CorruptObjectError`
+    for a copy that is corrupt, foreign or not signed (the caller ignores that copy from then on:
+    ``quorum.json`` stays the authority)."""
+    data = io.get_or_none(key)
+    return None if data is None else Quorum.parse(data, key=key, run_id=me.run_id, round=me.round, run_key=run_key)
 
 
 def grace_s(io: CountingStore, p: QuorumWait) -> float:
@@ -360,13 +435,18 @@ def wait_for_quorum(
     Entitled = all N ready, or our straggler deadline passed with ``min_replicas`` ready. The
     lowest ready rank writes at once (one replica reads the N markers, not N replicas); any other
     entitled replica writes after a grace of four round trips (at least 0.5 s), so a writer that died
-    costs only that grace.
+    costs only that grace. A reader of a run above 16 replicas (:func:`copy_to_read`) polls its copy of
+    the quorum instead, and lists and reads ``quorum.json`` only every :func:`reader_list_s`.
     ``on_ready`` sees the ready ranks after every listing (the exchange starts prefetching there).
     Raises ``TimeoutError`` naming the ranks that never arrived when ``p.deadline`` passes with
     fewer than ``min_replicas`` ready, and :class:`RoundPrunedError` if the run moved on.
     """
     started = time.monotonic()
     sleep_s, last_skip_check, last_read = min(_FIRST_POLL_S, p.poll_interval_s), started - 1.0, started
+    copy = copy_to_read(me)
+    # a reader lists first after one to two periods (spread over ranks), then every period
+    every_s = reader_list_s(io, p) if copy is not None else 0.0
+    next_list = started + every_s * (1.0 + (me.rank * 0.6180339887) % 1.0)
     entitled_since: float | None = None
     seen: set[int] = set()
     reasons: dict[int, str] = {}  # verified abstentions: rank -> reason
@@ -374,7 +454,10 @@ def wait_for_quorum(
     ready: set[int] = set()
     listed: Listed = {}
     while True:
-        if len(ready) < p.world_size:  # once all N are ready, only the quorum is left to read
+        due = copy is None or time.monotonic() >= min(next_list, p.deadline)  # a listing this poll
+        if due and copy is not None:
+            next_list = time.monotonic() + every_s
+        if due and len(ready) < p.world_size:  # once all N are ready, only the quorum is left to read
             listing = io.list(ready_prefix(me.round))
             listed = markers_in(listing)
             ready = {r for r in listed if 0 <= r < p.world_size}
@@ -383,11 +466,11 @@ def wait_for_quorum(
                 if reason is not None:
                     reasons[r] = reason
         abstained = set(reasons) - ready
-        if on_ready is not None:
+        if due and on_ready is not None:
             on_ready(ready)
         now = time.monotonic()
         accounted = len(ready) + len(abstained) >= p.world_size
-        if accounted and len(ready) < p.min_replicas and read_quorum(
+        if due and accounted and len(ready) < p.min_replicas and read_quorum(
             io, run_id=me.run_id, round=me.round, run_key=p.run_key
         ) is None:
             raise _abstention_error(ready, me, {r: reasons[r] for r in abstained}, p.min_replicas)
@@ -396,14 +479,23 @@ def wait_for_quorum(
         )
         if ready and me.rank == min(ready):  # we will write the quorum: fetch what it copies now
             fetch_markers(io, me, ready, listed, p.run_key, fetched)
-        if entitled:
+        if entitled and due:  # a reader acts on its own listings only (the grace fits between two)
             entitled_since = now if entitled_since is None else entitled_since
             if me.rank == min(ready) or now - entitled_since >= grace_s(io, p):
                 created = _try_create(io, me, ready, p.run_key, fetched, listed)
                 if created is not None:
                     return created  # ours won: no need to read it back
-        if entitled or now - last_read >= max(p.poll_interval_s, 0.5):  # others may have formed it without us
-            last_read = now
+        if copy is not None:
+            try:
+                q = _read_copy(io, me, copy, p.run_key)
+            except CorruptObjectError as e:
+                logger.warning("ignoring the quorum copy %s: %s; listing the ready markers and reading "
+                               "quorum.json on every poll instead", copy, e)
+                copy, q, every_s = None, None, 0.0  # from now on, poll as a lister does
+            if q is not None:
+                return q
+        if (entitled and due) or (due and now - last_read >= max(p.poll_interval_s, 0.5)):
+            last_read = now  # others may have formed it without us
             q = read_quorum(io, run_id=me.run_id, round=me.round, run_key=p.run_key)
             if q is not None:
                 return q
@@ -413,7 +505,7 @@ def wait_for_quorum(
                 f"round {me.round}: ranks {missing} never became ready (ready: {sorted(ready)}, "
                 f"min_replicas={p.min_replicas}); check those replicas' logs or lower min_replicas"
             )
-        if now - started >= p.straggler_timeout_s and now - last_skip_check >= 1.0:
+        if now - started >= p.straggler_timeout_s and now - last_skip_check >= max(1.0, every_s):
             check_moved_on(io, me)
             last_skip_check = now
         if ready != seen:

@@ -109,6 +109,16 @@ def quorum_key(round: int) -> str:
     return f"{round_prefix(round)}/quorum.json"
 
 
+def quorum_copy_key(round: int, copy: int, spread: int) -> str:
+    """``x<copy:02x>/<round>/quorum.json``: copy ``copy`` of the round's quorum in a spread run (``spread``
+    > 1), written by the quorum's writer after its create won, so that the replicas of a large run read
+    the quorum from several key prefixes instead of all polling one (``exchange/quorum.py``,
+    ``quorum_copies``)."""
+    if spread < 2:
+        raise ValueError(f"quorum copies exist only in spread runs (spread >= 2), got spread={spread}")
+    return f"{_data_prefix(round, spread, slot=copy)}/quorum.json"
+
+
 def spread_count(world_size: int) -> int:
     """How many key prefixes a run of ``world_size`` replicas spreads its exchange data objects over.
 
