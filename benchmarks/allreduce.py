@@ -239,6 +239,7 @@ def replica_main(
         barrier.wait()  # parent resets counters
         barrier.wait()  # go
         io0, t0, c0 = proc_io(), time.perf_counter(), time.process_time()
+        h0 = (store.hedger.reads, store.hedger.backups, store.hedger.wins)
         if case.method == "sharded":
             y = ar.allreduce(x)
         else:
@@ -259,6 +260,7 @@ def replica_main(
                 "code_bytes_down": stats.get("bytes_down"),
                 "digest": digest,
                 "phases_s": stats.get("phases_s", {}),
+                "hedge": [store.hedger.reads - h0[0], store.hedger.backups - h0[1], store.hedger.wins - h0[2]],
             }
         )
         del x, y
@@ -297,6 +299,8 @@ def run_group(
             server_cpu = time.process_time() - c0
             barrier.wait(timeout=60)
             rows.append(summarise(case, per_rank, server))
+            # hedged reads of all replicas: reads, backups sent, backups that answered first
+            rows[-1]["hedge_reads_backups_wins"] = [sum(r["hedge"][k] for r in per_rank) for k in range(3)]
             rows[-1]["server_cpu_s"] = server_cpu if counter is not None else None
             print_row(rows[-1], flush=True)
             cleanup(f"bench-{i}")

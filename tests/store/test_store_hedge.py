@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -287,3 +288,44 @@ def test_a_transient_failure_pauses_backups() -> None:
     time.sleep(0.35)
     assert h.delay_s(0.75) is not None  # and back after quiet_s
     assert asyncio.run(h.first(_scripted((0.5, Answer("late")), (0.0, fast)), quantile=0.75)) is fast
+
+
+def _pinned(**kw: Any) -> Hedger:
+    """A Hedger whose quantile stays at 0.01 s through the reads below: 200 answer times of 0.01 s in a
+    window of 1,000 (the reads' own answer times would otherwise move it)."""
+    h = Hedger(window=1000, min_samples=16, **kw)
+    for _ in range(200):
+        h.observe(0.01)
+    return h
+
+
+def _reads(h: Hedger, n: int, backup_wins: Callable[[int], bool], slow_s: float = 0.3) -> None:
+    """``n`` reads, each past the hedge delay; read i's backup answers first iff ``backup_wins(i)``."""
+    for i in range(n):
+        primary, backup = (slow_s, Answer("primary")), (0.0, Answer("backup"))
+        if not backup_wins(i):
+            primary, backup = (0.02, Answer("primary")), (0.3, Answer("backup"))
+        asyncio.run(h.first(_scripted(primary, backup), quantile=0.75))
+
+
+def test_backups_stay_within_their_budget_when_every_read_is_slow() -> None:
+    """A store whose every read is past the quantile (answer times growing with load) gets at most
+    ``budget`` backups per read, after the ``burst`` saved up, not one per read."""
+    h = _pinned(budget=0.3, burst=2.0, min_win_rate=0.0)
+    _reads(h, 30, lambda i: True, slow_s=0.1)
+    assert h.reads == 30
+    assert 0.3 * 30 <= h.backups <= 2 + 0.3 * 30  # the bucket binds: 9-11 of 30, not 30
+
+
+def test_backups_pause_when_they_do_not_answer_first() -> None:
+    h = _pinned(quiet_s=60.0, outcomes=16, min_win_rate=0.15)
+    _reads(h, 30, lambda i: i % 10 == 0)  # 1 backup in 10 answers first: below 15%
+    assert h.backups == 8 and h.wins == 1  # paused after half the window (8 outcomes, 1 win)
+    assert h.delay_s(0.75) is None
+
+
+def test_backups_that_answer_first_often_enough_go_on() -> None:
+    """The presets' lognormal tail: a backup at the 0.75 quantile answers first ~29% of the time."""
+    h = _pinned(outcomes=16, min_win_rate=0.15, burst=100.0)
+    _reads(h, 40, lambda i: i % 4 == 0)  # 25%
+    assert h.backups == 40 and h.wins == 10 and h.delay_s(0.75) is not None
