@@ -3,6 +3,7 @@
 Run (from the repo root, venv active):
     python benchmarks/scale.py            # simulation N in {8, 64, 256, 1024} + real run N in {2..32}
     python benchmarks/scale.py --quick    # simulation + real run N in {2, 4, 8}
+    python benchmarks/scale.py --sim-only --params 1e6   # the simulation alone, for a 4 MB pseudo-gradient
     python benchmarks/scale.py --processes  # real run: one spawned process per replica, N in {8, 16, 32}
                                             # (writes results/scale_processes.json; ~3 min on 2 cores)
 
@@ -214,6 +215,7 @@ def simulate(n: int, topology: str, p: int, st: StorePreset) -> dict[str, Any]:
     up: dict[int, int] = defaultdict(int)
     down: dict[int, int] = defaultdict(int)
     peak: dict[str, float] = {"PUT": 0.0, "GET": 0.0}
+    hot: dict[str, str] = {"PUT": "-", "GET": "-"}  # the phase and prefix of each peak
     phases_s: dict[str, float] = {}
     for ph in schedule(n, topology, p):
         t_client = 0.0
@@ -233,8 +235,10 @@ def simulate(n: int, topology: str, p: int, st: StorePreset) -> dict[str, Any]:
         limit = {"PUT": st.put_rate, "GET": st.get_rate}
         t_rate = max((c / limit[op] for (op, _), c in per_prefix.items()), default=0.0)
         t = max(t_client, t_rate)  # a prefix over its limit stretches the phase (503s and retries)
-        for (op, _), c in per_prefix.items():
-            peak[op] = max(peak[op], c / t_client if t_client > 0 else 0.0)  # offered rate, before shaping
+        for (op, pfx), c in per_prefix.items():
+            rate = c / t_client if t_client > 0 else 0.0  # offered rate, before shaping
+            if rate > peak[op]:
+                peak[op], hot[op] = rate, f"{ph.name} {pfx.split('/', 1)[-1]}"
         phases_s[ph.name] = t
         total_s += t
     bound = p + 2 * p * (n - 1) / n
@@ -251,6 +255,8 @@ def simulate(n: int, topology: str, p: int, st: StorePreset) -> dict[str, Any]:
         "reqs_per_replica_max": max(reqs.values()),
         "peak_put_per_prefix_s": peak["PUT"],
         "peak_get_per_prefix_s": peak["GET"],
+        "peak_put_at": hot["PUT"],
+        "peak_get_at": hot["GET"],
         "put_limit": st.put_rate,
         "get_limit": st.get_rate,
         "bytes_per_replica_mean_vs_bound": sum(up[q] + down[q] for q in range(n)) / n / bound,
@@ -344,6 +350,8 @@ def main() -> None:
                     help="real run with one spawned process per replica, N in {8, 16, 32} (instead of threads)")
     ap.add_argument("--preset", default="s3-standard", help="store preset (tests/support/store_presets.py)")
     ap.add_argument("--params", type=float, default=100e6, help="simulated pseudo-gradient size (fp32 elements)")
+    ap.add_argument("--sim-only", action="store_true",
+                    help="the simulation alone (no cross-check, no real run); writes results/scale_sim.json")
     args = ap.parse_args()
     st = preset(args.preset)
     p = int(args.params * 4)
@@ -375,6 +383,15 @@ def main() -> None:
         "auto_hierarchical_from": AUTO_HIERARCHICAL_FROM,
     }
     print("targets:", json.dumps(targets))
+    print("peaks at (phase, prefix):", json.dumps({f"{s['n']} {s['topology']}": [s["peak_put_at"], s["peak_get_at"]]
+                                                   for s in sim if s["n"] == 1024}))
+    if args.sim_only:
+        out = RESULTS.with_name("scale_sim.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"preset": st.to_json(), "params": args.params, "simulation": sim,
+                                   "targets": targets}, indent=2))
+        print(f"wrote {out}")
+        return
     print("\nCross-check: requests per replica of one round, the real code (threads, 1,024-element tensors,")
     print("counting store on file://) vs the simulated schedule; 3 levels forced from N = 8 where marked")
     print(f"{'N':>5} {'topology':>12} {'levels':>6} {'real':>8} {'sim':>8}")
