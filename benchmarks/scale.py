@@ -63,11 +63,12 @@ from diloco_serverless.exchange.topology import AUTO_HIERARCHICAL_FROM, branchin
 from diloco_serverless.launcher.pricing import MODAL_USD_PER_HOUR  # noqa: E402
 from diloco_serverless.run.layout import (  # noqa: E402
     contrib_key,
+    control_spread,
     partial_key,
     quorum_copy_key,
     quorum_key,
     ready_key,
-    ready_prefix,
+    ready_prefixes,
     reduced_key,
     spread_count,
     vote_key,
@@ -114,7 +115,7 @@ def schedule(n: int, topology: str, p: int) -> list[Phase]:
     size = _bounds(p, s)
     obj = [b + HEADER_BYTES for b in size]
     pub, quo, cop = Phase("publish"), Phase("quorum"), Phase("copies")
-    pages = max(1, math.ceil(n / 1000))
+    pages = max(1, math.ceil(n / control_spread(n) / 1000))  # per ready prefix
     voted = spread == 1 and not hier  # N <= 16: a flat round votes instead of forming a quorum (exchange/votes.py)
     for q in range(n):
         pub.reqs[q] += [Req("PUT", contrib_key(0, j, q, spread), obj[j]) for j in range(s)]
@@ -124,7 +125,7 @@ def schedule(n: int, topology: str, p: int) -> list[Phase]:
             quo.reqs[q] += [Req("LIST", vote_key(0, q).rsplit("/", 1)[0]) for _ in range(2)]
             quo.reqs[q] += [Req("GET", vote_key(0, o), 600) for o in range(n) if o != q]
             continue
-        pub.reqs[q].append(Req("PUT", ready_key(0, q), 300))
+        pub.reqs[q].append(Req("PUT", ready_key(0, q, spread=control_spread(n)), 300))
         copy = copy_to_read(ReadyMarker(RUN_ID, 0, q, n, p // 4, "torch.float32", [p // 4], "fp32"))
         if copy is not None:  # a reader (N > 16, rank >= 16): polls its copy of the quorum (one miss, one hit)
             quo.reqs[q].append(Req("GET", copy))
@@ -133,7 +134,7 @@ def schedule(n: int, topology: str, p: int) -> list[Phase]:
         # a lister, two polls: LIST the ready markers (one page per 1,000); once all are ready the writer
         # (rank 0) creates quorum.json (the markers' names carry their MACs: it reads none) and the
         # other listers GET it (one miss, one hit)
-        quo.reqs[q] += [Req("LIST", ready_prefix(0)) for _ in range(2 * pages)]
+        quo.reqs[q] += [Req("LIST", pfx) for pfx in ready_prefixes(0, control_spread(n)) for _ in range(2 * pages)]
         if q:
             quo.reqs[q] += [Req("GET", quorum_key(0)), Req("GET", quorum_key(0), 300 * n)]
     if not voted:

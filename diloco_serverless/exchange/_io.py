@@ -6,6 +6,7 @@ a round is (docs/architecture.md, "The exchange protocol")::
     rounds/<round:08d>/ready/rank-<r>.<mac>       JSON ReadyMarker, written after all of r's contributions
     rounds/<round:08d>/quorum.json                create-only: participants + their markers
     x<hh>/<round:08d>/quorum.json                 above 16 replicas: copies of it, one per 64 replicas
+    x<hh>/<round:08d>/ready/rank-<r>.<mac>        above 64 replicas: the ready markers, hh = r mod N/64
     rounds/<round:08d>/contrib/<shard:04d>/rank-<r>
     rounds/<round:08d>/reduced/<shard:04d>        create-only: the averaged shard
 
@@ -23,6 +24,7 @@ it writes it, else the round's quorum when it reads it (:meth:`CountingStore.exp
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 import statistics
@@ -44,8 +46,8 @@ FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per emp
 _RANK_RE = re.compile(r"rank-(\d+)(?:\.([0-9a-f]+))?$")
 _SHARD_RE = re.compile(r"/(\d{4,})$")
 _ROUND = rf"{re.escape(ROUNDS_PREFIX)}/(\d{{8,}})"
-_OWN_MARKER_RE = re.compile(rf"{_ROUND}/ready/rank-\d+(?:\.[0-9a-f]+)?")
 _DATA_ROUND = rf"(?:{re.escape(ROUNDS_PREFIX)}|{re.escape(SPREAD_PREFIX)}[0-9a-f]{{2}})/(\d{{8,}})"
+_OWN_MARKER_RE = re.compile(rf"{_DATA_ROUND}/ready/rank-\d+(?:\.[0-9a-f]+)?")
 _QUORUM_RE = re.compile(rf"{_DATA_ROUND}/quorum\.json")  # quorum.json, or a copy of it in a spread run
 _SHARD_OBJECT_RE = re.compile(
     rf"{_DATA_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}})|partial/(?:l\d/)?\d{{4,}}/(\d{{4,}}))"
@@ -326,6 +328,12 @@ class CountingStore:
         with self._lock:
             self._round_trips.append(time.monotonic() - t)
         return keys
+
+    def list_many(self, prefixes: Sequence[str]) -> builtins.list[str]:
+        """The keys under each of ``prefixes``, listed concurrently (on the control pool) when several."""
+        if len(prefixes) == 1:
+            return self.list(prefixes[0])
+        return [k for keys in self._control_executor().map(self.list, prefixes) for k in keys]
 
     def delete(self, key: str, *, recursive: bool = False) -> None:
         self.store.delete(key, recursive=recursive)

@@ -76,6 +76,7 @@ from diloco_serverless.exchange.votes import VotedRound, mean_of, piece_header, 
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
     contrib_key,
+    control_spread,
     ready_key,
     reduced_key,
     reduced_prefix,
@@ -428,7 +429,7 @@ class ObjectStoreAllReduce:
         assert io is not None
         own = self._put_contributions(rs, flat)
         self._before_ready(rs)
-        io.put(ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key)),
+        io.put(ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key), control_spread(self.world_size)),
                signed_json(self._run_key, "ready", asdict(rs.me)))
         return own
 

@@ -51,10 +51,11 @@ from diloco_serverless.run.integrity import MAC_FIELD, mac_json, verify_json
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
     abstain_key,
+    control_spread,
     quorum_copy_key,
     quorum_key,
     ready_key,
-    ready_prefix,
+    ready_prefixes,
     spread_count,
 )
 
@@ -63,8 +64,6 @@ logger = logging.getLogger(__name__)
 #: In a run of more than 16 replicas, ranks below this list the ready markers on every poll (as every
 #: replica of a smaller run does) and read ``quorum.json`` itself; the others read a copy.
 QUORUM_LISTERS = 16
-#: Replicas per copy of the quorum in a spread run (each copy is read by at most this many, twice).
-REPLICAS_PER_COPY = 64
 #: Listing requests per second that the readers of a round send to its ready prefix, all together
 #: (a fifth of S3's 5,500 GET/s per prefix).
 READER_LIST_RATE = 1000.0
@@ -153,7 +152,7 @@ def fetch_markers(io: CountingStore, me: ReadyMarker, ranks: set[int], listed: L
         if known is not None:
             fetched[r] = known
         else:
-            key = keys[0][0] if keys else ready_key(me.round, r)
+            key = keys[0][0] if keys else ready_key(me.round, r, spread=control_spread(me.world_size))
             fetched[r] = (key, io.get_async(key, control=True))
 
 
@@ -253,12 +252,12 @@ def write_abstention(io: CountingStore, me: ReadyMarker, reason: str, run_key: b
     """Announce that ``me.rank`` will not contribute to ``me.round`` (why: ``reason``), so the others
     close the round without waiting for it, or fail at once if they cannot."""
     record = {"run_id": me.run_id, "round": me.round, "rank": me.rank, "reason": reason[:500]}
-    io.put(abstain_key(me.round, me.rank), signed_json(run_key, "abstain", record))
+    io.put(abstain_key(me.round, me.rank, control_spread(me.world_size)), signed_json(run_key, "abstain", record))
 
 
 def _read_abstention(io: CountingStore, me: ReadyMarker, rank: int, run_key: bytes | None) -> str | None:
     """The reason rank ``rank`` gave for abstaining, or None if its record is missing, foreign or forged."""
-    key = abstain_key(me.round, rank)
+    key = abstain_key(me.round, rank, control_spread(me.world_size))
     data = io.get_or_none(key)
     try:
         obj = json.loads(data.decode("utf-8")) if data is not None else None
@@ -341,10 +340,15 @@ def _try_create(
 
 def quorum_copies(world_size: int) -> int:
     """How many copies of ``quorum.json`` the writer of a round puts for its readers: none up to 16
-    replicas (every replica reads ``quorum.json``), else one per :data:`REPLICAS_PER_COPY` replicas, in
-    as many spread prefixes (at most all of them): 1 at N = 17-64, 4 at 256, 16 at 1,024."""
-    spread = spread_count(world_size)
-    return 0 if spread == 1 else min(spread, math.ceil(world_size / REPLICAS_PER_COPY))
+    replicas (every replica reads ``quorum.json``), else one per 64 replicas, in as many spread prefixes
+    (:func:`~diloco_serverless.run.layout.control_spread`, at least 1): 1 at N = 17-64, 4 at 256, 16 at 1,024."""
+    return 0 if spread_count(world_size) == 1 else control_spread(world_size)
+
+
+def list_ready(io: CountingStore, round: int, world_size: int) -> list[str]:
+    """The keys under the ready prefixes of ``round`` (one listing, or one per prefix, concurrently, in
+    a run above 64 replicas: :func:`~diloco_serverless.run.layout.control_spread`)."""
+    return io.list_many(ready_prefixes(round, control_spread(world_size)))
 
 
 def copy_to_read(me: ReadyMarker) -> str | None:
@@ -373,10 +377,11 @@ def put_copies(io: CountingStore, me: ReadyMarker, data: bytes) -> None:
 
 def reader_list_s(io: CountingStore, p: QuorumWait) -> float:
     """How often a reader (:func:`copy_to_read`) lists the ready markers: the readers' listing pages
-    shared out under :data:`READER_LIST_RATE` per second (2 s at N = 1,024), and never more often
-    than the grace a writer gets (:func:`grace_s`)."""
+    shared out under :data:`READER_LIST_RATE` per second and ready prefix (1 s at N = 1,024), and never
+    more often than the grace a writer gets (:func:`grace_s`)."""
     readers = max(0, p.world_size - QUORUM_LISTERS)
-    return max(grace_s(io, p), readers * math.ceil(p.world_size / 1000) / READER_LIST_RATE)
+    pages = math.ceil(p.world_size / control_spread(p.world_size) / 1000)  # per ready prefix
+    return max(grace_s(io, p), readers * pages / READER_LIST_RATE)
 
 
 def _read_copy(io: CountingStore, me: ReadyMarker, key: str, run_key: bytes | None) -> Quorum | None:
@@ -458,7 +463,7 @@ def wait_for_quorum(
         if due and copy is not None:
             next_list = time.monotonic() + every_s
         if due and len(ready) < p.world_size:  # once all N are ready, only the quorum is left to read
-            listing = io.list(ready_prefix(me.round))
+            listing = list_ready(io, me.round, p.world_size)
             listed = markers_in(listing)
             ready = {r for r in listed if 0 <= r < p.world_size}
             for r in {r for r in abstained_in(listing) if 0 <= r < p.world_size} - ready - set(reasons):

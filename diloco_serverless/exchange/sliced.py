@@ -40,11 +40,12 @@ from diloco_serverless.exchange.quorum import (
     check_moved_on,
     collect_markers,
     fetch_markers,
+    list_ready,
     read_quorum,
     signed_json,
     write_abstention,
 )
-from diloco_serverless.run.layout import quorum_key, ready_prefix, slice_prefix
+from diloco_serverless.run.layout import control_spread, quorum_key, ready_prefix, slice_prefix
 from diloco_serverless.store.objectstore import ObjectStore
 
 __all__ = ["SlicedAllReduce"]
@@ -97,11 +98,13 @@ class SlicedAllReduce(ObjectStoreAllReduce):
             return
         waiting = set(range(1, self.slices))
         sleep_s = min(FIRST_POLL_S, self.poll_interval_s)
+        spread = control_spread(self.world_size)
+        mine = ready_prefix(rs.r, self.rank % spread, spread)  # where this rank's markers are, in every slice
         io = self._io
         assert io is not None
         while waiting:  # a sibling's marker is named by its own tag (its slice's size): look for the rank
             waiting = {h for h in waiting
-                       if self.rank not in ranks_in(self._slice_io[h].store.list(ready_prefix(rs.r)))}
+                       if self.rank not in ranks_in(self._slice_io[h].store.list(mine))}
             if not waiting:
                 return
             if io.store.exists(quorum_key(rs.r)):  # the round closed without us: we are late in every slice
@@ -172,7 +175,7 @@ class SlicedAllReduce(ObjectStoreAllReduce):
         markers: dict[int, ReadyMarker] = {}
         sleep_s = min(FIRST_POLL_S, self.poll_interval_s)
         while True:
-            listed = markers_in(io.list(ready_prefix(rs.r)))
+            listed = markers_in(list_ready(io, rs.r, self.world_size))
             here = {r for r in participants if r not in markers and r in listed}
             fetched: Fetched = {}
             fetch_markers(io, rs.me, here, listed, self._run_key, fetched)  # named like ours: no GET

@@ -11,6 +11,7 @@ metrics), the exchange and the checkpoints all build their keys here.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 
 RUN_JSON = "run.json"
@@ -24,6 +25,8 @@ METRICS_PREFIX = "metrics"
 LOGS_PREFIX = "logs"
 FINAL_PREFIX = "final"
 SLICES_PREFIX = "slices"
+#: Replicas per key prefix of a round's ready markers and quorum copies above 64 (:func:`control_spread`).
+REPLICAS_PER_CONTROL_PREFIX = 64
 #: Exchange data objects of large runs live under ``x<2 hex>/`` spread prefixes (see :func:`spread_count`).
 SPREAD_PREFIX = "x"
 #: Most spread prefixes a run uses (two hex digits).
@@ -73,21 +76,38 @@ def round_prefix(round: int) -> str:
     return f"{ROUNDS_PREFIX}/{fmt_round(round)}"
 
 
-def ready_prefix(round: int) -> str:
-    """``rounds/<round>/ready`` (list it to see who is ready)."""
-    return f"{round_prefix(round)}/ready"
+def control_spread(world_size: int) -> int:
+    """How many key prefixes the ready markers of a round, and the copies of its quorum, are spread over:
+    1 up to 64 replicas (the markers under ``rounds/<round>/ready``), then one per
+    :data:`REPLICAS_PER_CONTROL_PREFIX` replicas, at most :func:`spread_count` (N = 256: 4, 1,024: 16).
+    1,024 replicas that publish small tensors write their markers within one round trip: in one prefix
+    that is ~17,000 PUT/s against S3's 3,500 (docs/exchange.md, "Scale")."""
+    return min(spread_count(world_size), math.ceil(world_size / REPLICAS_PER_CONTROL_PREFIX))
 
 
-def ready_key(round: int, rank: int, tag: str | None = None) -> str:
+def ready_prefix(round: int, slot: int = 0, spread: int = 1) -> str:
+    """``rounds/<round>/ready`` (list it to see who is ready); with ``spread`` > 1 (:func:`control_spread`)
+    the markers of the ranks ``r`` with ``r mod spread == slot`` are under ``x<slot:02x>/<round>/ready``."""
+    return f"{round_prefix(round)}/ready" if spread == 1 else f"{_data_prefix(round, spread, slot=slot)}/ready"
+
+
+def ready_prefixes(round: int, spread: int = 1) -> list[str]:
+    """Every folder holding ready markers of ``round`` when they are spread over ``spread`` prefixes."""
+    return [ready_prefix(round, k, spread) for k in range(spread)]
+
+
+def ready_key(round: int, rank: int, tag: str | None = None, spread: int = 1) -> str:
     """``rounds/<round>/ready/rank-<r>.<tag>``, where ``tag`` is the marker's MAC (lower-case hex, see
     ``exchange/quorum.py``, ``marker_tag``), so a replica that knows what rank r's marker must say can
     check it from a listing without reading it; ``rounds/<round>/ready/rank-<r>`` without a tag (markers
-    of earlier versions). Raises ``ValueError`` for a tag that is not 1-128 hex digits."""
+    of earlier versions); under ``x<r mod spread>/<round>/ready/`` with ``spread`` > 1. Raises
+    ``ValueError`` for a tag that is not 1-128 hex digits."""
+    prefix = ready_prefix(round, rank % spread, spread)
     if tag is None:
-        return f"{ready_prefix(round)}/{_rank(rank)}"
+        return f"{prefix}/{_rank(rank)}"
     if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag):
         raise ValueError(f"a ready marker's tag must be 1-128 lower-case hex digits, got {tag!r}")
-    return f"{ready_prefix(round)}/{_rank(rank)}.{tag}"
+    return f"{prefix}/{_rank(rank)}.{tag}"
 
 
 def vote_key(round: int, rank: int) -> str:
@@ -97,11 +117,12 @@ def vote_key(round: int, rank: int) -> str:
     return f"{round_prefix(round)}/votes/{_rank(rank)}"
 
 
-def abstain_key(round: int, rank: int) -> str:
+def abstain_key(round: int, rank: int, spread: int = 1) -> str:
     """``rounds/<round>/ready/abstain-<r>``: rank r will not contribute to the round (its values were
-    not finite). Beside the ready markers, so the one listing that finds who is ready finds it too."""
+    not finite). Beside the ready markers (in rank r's prefix with ``spread`` > 1), so the listing that
+    finds who is ready finds it too."""
     _check_index("rank", rank, 6)
-    return f"{ready_prefix(round)}/abstain-{rank}"
+    return f"{ready_prefix(round, rank % spread, spread)}/abstain-{rank}"
 
 
 def quorum_key(round: int) -> str:

@@ -10,7 +10,15 @@ import pytest
 from diloco_serverless.exchange._io import CountingStore, RoundLayout
 from diloco_serverless.exchange.codec import max_object_bytes
 from diloco_serverless.exchange.errors import CorruptObjectError
-from diloco_serverless.run.layout import contrib_key, quorum_key, ready_key, reduced_key
+from diloco_serverless.run.layout import (
+    contrib_key,
+    control_spread,
+    quorum_copy_key,
+    quorum_key,
+    ready_key,
+    reduced_key,
+    spread_count,
+)
 from diloco_serverless.store.objectstore import ObjectStore
 
 
@@ -92,3 +100,16 @@ def test_the_exchange_store_takes_the_runs_transfer_policy(tmp_path) -> None:  #
     assert tuned._io is not None and plain._io is not None
     assert tuned._io.store.transfer == policy
     assert plain._io.store.transfer == ObjectStore(str(tmp_path)).transfer != policy
+
+
+def test_a_spread_marker_and_a_quorum_copy_teach_the_layout_too(io: CountingStore) -> None:
+    """Above 64 replicas our marker is under x<hh>/ (control_spread); a reader gets the quorum from a copy."""
+    n = 130  # 3 ready prefixes, 32 data prefixes
+    io.put(ready_key(3, 5, spread=control_spread(n)), json.dumps(_marker(5, numel=1300, world_size=n)).encode())
+    assert io.max_bytes(contrib_key(3, 0, 1, spread_count(n))) == max_object_bytes("int8", 10)
+    late = CountingStore(io.store)
+    quorum = {"run_id": "t", "round": 3, "participants": [0], "created_by": 0,
+              "markers": {"0": _marker(0, numel=1300, codec="fp32", world_size=n)}}
+    late.store.put(quorum_copy_key(3, 2, spread_count(n)), json.dumps(quorum).encode())
+    late.get(quorum_copy_key(3, 2, spread_count(n)))
+    assert late.max_bytes(reduced_key(3, 129, spread_count(n))) == max_object_bytes("fp32", 10)

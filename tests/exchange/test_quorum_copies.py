@@ -1,4 +1,5 @@
-"""Above 16 replicas the quorum is read from copies in the spread prefixes (exchange/quorum.py).
+"""Above 16 replicas the quorum is read from copies in the spread prefixes, and above 64 the ready markers
+are spread too (exchange/quorum.py, run/layout.py ``control_spread``).
 
 Ranks below QUORUM_LISTERS list the ready markers on every poll and read ``quorum.json``; the others
 (readers) poll their copy, and list and read ``quorum.json`` only every ``reader_list_s``: so at
@@ -31,7 +32,16 @@ from diloco_serverless.exchange.quorum import (
     signed_json,
     wait_for_quorum,
 )
-from diloco_serverless.run.layout import quorum_copy_key, quorum_key, ready_key, ready_prefix, spread_count
+from diloco_serverless.run.layout import (
+    control_spread,
+    quorum_copy_key,
+    quorum_key,
+    ready_key,
+    ready_prefix,
+    ready_prefixes,
+    spread_count,
+)
+from diloco_serverless.store.objectstore import ObjectStore
 from support.allreduce import assert_identical, run_replicas
 from support.recording_store import RecordingStore
 
@@ -130,8 +140,8 @@ def test_the_writer_puts_the_copies_its_readers_read(tmp_path: Path) -> None:
     n = 130  # three copies
     store = RecordingStore(tmp_path.as_uri())
     io = CountingStore(store)
-    for r in range(n):
-        store.put(ready_key(0, r, marker_tag(_marker(r, n), KEY)), b"{}")  # named by their tags: never read
+    for r in range(n):  # named by their tags: never read; in 3 prefixes (control_spread(130))
+        store.put(ready_key(0, r, marker_tag(_marker(r, n), KEY), control_spread(n)), b"{}")
     q = wait_for_quorum(io, _marker(0, n), _wait(poll_s=0.05, n=n))
     io.close()  # waits for the copies, put in the background
     assert q.created_by == 0 and q.participants == list(range(n))
@@ -182,3 +192,24 @@ def test_a_large_run_whose_listers_are_all_gone_still_closes_its_round(tmp_path:
     assert_identical(outs)
     assert torch.equal(outs[N - 1][0], torch.stack(list(xs.values())).sum(0) / 4)
     assert all(s.participants == list(range(QUORUM_LISTERS, N)) for s in stats.values())
+
+
+def test_above_64_replicas_the_ready_markers_and_abstentions_are_spread(tmp_path: Path) -> None:
+    """N = 65: two ready prefixes (x00, x01). One replica abstains (non-finite values); the other 64
+    average among themselves, and every marker and the abstention sit in their rank's prefix."""
+    n = 65
+    assert control_spread(n) == 2 and ready_prefixes(3, 2) == ["x00/00000003/ready", "x01/00000003/ready"]
+    xs = {r: _ints(130, r) for r in range(n)}
+    xs[7] = torch.full((130,), float("nan"))
+    outs, errors, stats = run_replicas(tmp_path.as_uri(), xs, n, topology="hierarchical", min_replicas=n - 1,
+                                       straggler_timeout_s=30.0)
+    assert not errors
+    assert_identical(outs)  # the abstainer adopts the mean of the others
+    assert torch.equal(outs[0][0], sum(x for r, x in xs.items() if r != 7) / (n - 1))
+    assert stats[0].participants == [r for r in range(n) if r != 7]
+    keys = [k for k in ObjectStore(tmp_path.as_uri()).child("t").list("") if "/ready/" in k]
+    assert len(keys) == n and not [k for k in keys if k.startswith("rounds/")]
+    for k in keys:
+        rank = int(k.rsplit("-", 1)[1].split(".")[0])
+        assert k.startswith(f"x{rank % 2:02x}/00000000/ready/"), k
+    assert any(k.endswith("/abstain-7") and k.startswith("x01/") for k in keys)

@@ -11,13 +11,16 @@ import pytest
 from diloco_serverless.config import RunConfig
 from diloco_serverless.run.layout import (
     RUN_JSON,
+    abstain_key,
     checkpoint_prefix,
     contrib_key,
+    control_spread,
     log_key,
     member_key,
     metrics_key,
     quorum_key,
     ready_key,
+    ready_prefixes,
     reduced_key,
 )
 from diloco_serverless.run.members import (
@@ -48,6 +51,12 @@ def _cfg(run_id: str = "run-a", **kw: object) -> RunConfig:
 def test_keys_match_the_documented_layout() -> None:
     assert ready_key(3, 1) == "rounds/00000003/ready/rank-1"
     assert ready_key(3, 1, "0a9f") == "rounds/00000003/ready/rank-1.0a9f"
+    # above 64 replicas the markers (and abstentions) of rank r are under x<r mod control_spread(N)>
+    assert [control_spread(n) for n in (16, 17, 64, 65, 256, 1024)] == [1, 1, 1, 2, 4, 16]
+    assert ready_key(3, 17, "0a9f", spread=16) == "x01/00000003/ready/rank-17.0a9f"
+    assert abstain_key(3, 17, 16) == "x01/00000003/ready/abstain-17"
+    assert abstain_key(3, 17) == "rounds/00000003/ready/abstain-17"
+    assert ready_prefixes(3) == ["rounds/00000003/ready"] and len(set(ready_prefixes(3, 16))) == 16
     for bad_tag in ("", "0A9F", "../x", "g1", "a" * 129):
         with pytest.raises(ValueError, match="tag"):
             ready_key(3, 1, bad_tag)
