@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from diloco_serverless.exchange import topology as topology_module  # noqa: E402
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce  # noqa: E402
+from diloco_serverless.exchange.hierarchical import reduced_copies  # noqa: E402
 from diloco_serverless.exchange.quorum import ReadyMarker, copy_to_read, quorum_copies  # noqa: E402
 from diloco_serverless.exchange.topology import AUTO_HIERARCHICAL_FROM, branching, levels, split_for  # noqa: E402
 from diloco_serverless.launcher.pricing import MODAL_USD_PER_HOUR  # noqa: E402
@@ -69,6 +70,7 @@ from diloco_serverless.run.layout import (  # noqa: E402
     quorum_key,
     ready_key,
     ready_prefixes,
+    reduced_copy_key,
     reduced_key,
     spread_count,
     vote_key,
@@ -163,6 +165,7 @@ def _tree_phases(n: int, s: int, size: list[int], spread: int) -> list[Phase]:
     A replica waiting for objects GETs one of them (rotated by rank) until it appears, then the rest:
     one missed poll per wait."""
     depth, c = levels(n), branching(n)
+    copies = reduced_copies(n, max(size) + HEADER_BYTES)
     members: dict[tuple[int, int], list[int]] = defaultdict(list)
     for q in range(n):
         for lv in range(1, depth + 1):
@@ -192,14 +195,20 @@ def _tree_phases(n: int, s: int, size: list[int], spread: int) -> list[Phase]:
                         ph.reqs[o].append(Req("GET", key(lv - 1, need[o % len(need)], j)))  # the missed poll
                     ph.reqs[o] += [Req("GET", key(lv - 1, i, j), size[j] + HEADER_BYTES) for i in need]
                 ph.reqs[o].append(Req("PUT", key(lv, k, j), size[j] + HEADER_BYTES))
+                if lv == depth:  # and the copies of a small reduced shard (exchange/hierarchical.py)
+                    ph.reqs[o] += [Req("PUT", reduced_copy_key(0, j, cp, spread), size[j] + HEADER_BYTES)
+                                   for cp in range(copies)]
                 held[o].add((lv, k, j))
         phases.append(ph)
     gat = Phase("gather")
+    def read(j: int, q: int) -> str:  # a reader reads its copy (rank mod copies) of a small reduced shard
+        return reduced_copy_key(0, j, q % copies, spread) if copies else key(depth, 0, j)
+
     for q in range(n):
         need = [j for j in range(s) if (depth, 0, j) not in held[q]]
         if need:
-            gat.reqs[q].append(Req("GET", key(depth, 0, need[q % len(need)])))  # the missed poll
-        gat.reqs[q] += [Req("GET", key(depth, 0, j), size[j] + HEADER_BYTES) for j in need]
+            gat.reqs[q].append(Req("GET", read(need[q % len(need)], q)))  # the missed poll
+        gat.reqs[q] += [Req("GET", read(j, q), size[j] + HEADER_BYTES) for j in need]
     return phases + [gat]
 
 

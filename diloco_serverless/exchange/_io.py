@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import logging
 import re
 import statistics
 import threading
@@ -42,6 +43,8 @@ from diloco_serverless.run.layout import ROUNDS_PREFIX, SPREAD_PREFIX
 from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 
+logger = logging.getLogger(__name__)
+
 FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per empty poll up to poll_interval_s
 _RANK_RE = re.compile(r"rank-(\d+)(?:\.([0-9a-f]+))?$")
 _SHARD_RE = re.compile(r"/(\d{4,})$")
@@ -50,7 +53,7 @@ _DATA_ROUND = rf"(?:{re.escape(ROUNDS_PREFIX)}|{re.escape(SPREAD_PREFIX)}[0-9a-f
 _OWN_MARKER_RE = re.compile(rf"{_DATA_ROUND}/ready/rank-\d+(?:\.[0-9a-f]+)?")
 _QUORUM_RE = re.compile(rf"{_DATA_ROUND}/quorum\.json")  # quorum.json, or a copy of it in a spread run
 _SHARD_OBJECT_RE = re.compile(
-    rf"{_DATA_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}})|partial/(?:l\d/)?\d{{4,}}/(\d{{4,}}))"
+    rf"{_DATA_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}})(?:\.copy-\d+)?|partial/(?:l\d/)?\d{{4,}}/(\d{{4,}}))"
 )
 _ROUND_RE = re.compile(_DATA_ROUND)
 _KEEP_LAYOUTS = 8  # rounds whose layout a CountingStore remembers (the newest)
@@ -181,10 +184,20 @@ class CountingStore:
         if _OWN_MARKER_RE.fullmatch(key):  # our own ready marker: the round's layout as we know it
             self._learn(key, data, own=True)
 
-    def put_async(self, key: str, data: bytes) -> Future[None]:
-        """Start one PUT in the background, on the control pool (small objects that nobody in this
-        replica waits for: the copies of a quorum)."""
-        return self._control_executor().submit(self.put, key, data)
+    def put_copies(self, keys: Sequence[str], data: bytes) -> None:
+        """PUT ``data`` at each of ``keys`` in the background, on the control pool: copies that other
+        replicas read instead of one hot object (of a quorum, of a small reduced shard), which nobody in
+        this replica waits for. A copy that fails is logged and left: its readers fall back to the
+        original."""
+
+        def put(key: str) -> None:
+            try:
+                self.put(key, data)
+            except Exception as e:  # noqa: BLE001 - a copy is an optimisation: never fail the caller
+                logger.warning("could not put the copy %s (%s); its readers will read the original", key, e)
+
+        for key in keys:
+            self._control_executor().submit(put, key)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         created = self.store.put_if_absent(key, data)

@@ -364,15 +364,7 @@ def put_copies(io: CountingStore, me: ReadyMarker, data: bytes) -> None:
     """Put the copies of the quorum ``data`` that ``me`` just created, in the background. A copy that
     fails is logged and left: its readers find ``quorum.json`` itself at their next slow listing."""
     spread = spread_count(me.world_size)
-    for c in range(quorum_copies(me.world_size)):
-        key = quorum_copy_key(me.round, c, spread)
-
-        def done(f: Future[None], key: str = key) -> None:
-            if f.exception() is not None:
-                logger.warning("could not put the quorum copy %s (%s); its readers will read quorum.json "
-                               "at their next listing", key, f.exception())
-
-        io.put_async(key, data).add_done_callback(done)
+    io.put_copies([quorum_copy_key(me.round, c, spread) for c in range(quorum_copies(me.world_size))], data)
 
 
 def reader_list_s(io: CountingStore, p: QuorumWait) -> float:

@@ -200,6 +200,17 @@ def reduced_key(round: int, shard: int, spread: int = 1) -> str:
     return f"{_data_prefix(round, spread, slot=shard)}/reduced/{fmt_shard(shard)}"
 
 
+def reduced_copy_key(round: int, shard: int, copy: int, spread: int) -> str:
+    """``x<hh>/<round>/reduced/<shard:04d>.copy-<c>``: copy ``copy`` of a small reduced shard of a
+    hierarchical round above 64 replicas (``exchange/hierarchical.py``), which every replica reads: one
+    copy per 64 readers keeps each prefix under the store's GET rate. ``hh`` = 1 + 16 x shard + copy
+    (modulo ``spread``), apart from the first shards' own prefixes."""
+    _check_index("shard", shard, 4)
+    if spread < 2:
+        raise ValueError(f"reduced-shard copies exist only in spread runs (spread >= 2), got spread={spread}")
+    return f"{_data_prefix(round, spread, slot=1 + 16 * shard + copy)}/reduced/{fmt_shard(shard)}.copy-{copy}"
+
+
 def partial_key(round: int, group: int, shard: int, spread: int = 1, level: int = 1) -> str:
     """``rounds/<round>/partial/<group:04d>/<shard:04d>`` (create-only): group ``group``'s sum of
     ``shard`` in a hierarchical round; spread like :func:`contrib_key`. A deeper level of a

@@ -39,6 +39,8 @@ from diloco_serverless.run.layout import (
     ready_key,
     ready_prefix,
     ready_prefixes,
+    reduced_copy_key,
+    reduced_key,
     spread_count,
 )
 from diloco_serverless.store.objectstore import ObjectStore
@@ -213,3 +215,46 @@ def test_above_64_replicas_the_ready_markers_and_abstentions_are_spread(tmp_path
         rank = int(k.rsplit("-", 1)[1].split(".")[0])
         assert k.startswith(f"x{rank % 2:02x}/00000000/ready/"), k
     assert any(k.endswith("/abstain-7") and k.startswith("x01/") for k in keys)
+
+
+class NoCopies(RecordingStore):
+    """A store that refuses every copy of a reduced shard (as if its writer died before putting them)."""
+
+    def put(self, key: str, data: bytes) -> None:
+        if ".copy-" in key:
+            raise OSError(f"refused {key}")
+        super().put(key, data)
+
+
+@pytest.mark.parametrize("copies_fail", [False, True], ids=["copies", "copies-refused"])
+def test_above_64_replicas_small_reduced_shards_are_read_from_copies(tmp_path: Path, copies_fail: bool) -> None:
+    """Hierarchical, N = 65: each small reduced shard's writer puts 2 copies and everyone else reads copy
+    rank mod 2; without copies every replica reads the original after half the takeover timeout."""
+    n = 65
+    xs = {r: _ints(130, r) for r in range(n)}
+    stores: dict[int, RecordingStore] = {}
+
+    def make(url: str, r: int, world: int, **kw: Any) -> ObjectStoreAllReduce:
+        stores[r] = (NoCopies if copies_fail else RecordingStore)(url)
+        return ObjectStoreAllReduce(stores[r], r, world, **kw)
+
+    outs, errors, stats = run_replicas(tmp_path.as_uri(), xs, n, topology="hierarchical", make=make,
+                                       straggler_timeout_s=30.0, takeover_timeout_s=4.0)
+    assert not errors
+    assert_identical(outs)
+    assert torch.equal(outs[0][0], torch.stack(list(xs.values())).sum(0) / n)
+    spread = spread_count(n)
+    owners = {j: r for r, s in stats.items() for j in s.reduced_shards}
+    for j, owner in owners.items():
+        original = (tmp_path / "t" / reduced_key(0, j, spread)).read_bytes()
+        for c in range(2):
+            copy = tmp_path / "t" / reduced_copy_key(0, j, c, spread)
+            assert copy.exists() != copies_fail and (copies_fail or copy.read_bytes() == original)
+        for r in (q for q in range(n) if q != owner):
+            if reduced_key(0, j, spread) in stats[r].takeover_keys:
+                continue  # a replica on 2 loaded cores may take a slow shard over: it computed it
+            read = stores[r].keys("GET", contains=f"/reduced/{j:04d}")
+            if copies_fail:  # tried its copy, then the original
+                assert reduced_key(0, j, spread) in read
+            else:
+                assert set(read) == {reduced_copy_key(0, j, r % 2, spread)}, (r, read)  # polled until it came

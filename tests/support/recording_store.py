@@ -37,7 +37,7 @@ class RecordingStore(ObjectStore):
             return [k for o, k in self.requests if o == op and contains in k]
 
     def _same(self, other: ObjectStore) -> ObjectStore:
-        other.__class__ = RecordingStore
+        other.__class__ = type(self)
         return other
 
     def child(self, prefix: str) -> ObjectStore:
