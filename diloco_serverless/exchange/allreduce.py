@@ -608,7 +608,7 @@ class ObjectStoreAllReduce:
                     f"round {rs.r}: contribution {keys[q]!r} of participant {q} is missing although its ready marker "
                     "exists; the round was pruned or the store lost it — restart the round"
                 )
-            head = ShardHeader(self.run_id, rs.r, j, "contrib", ref.codec, b - a, q, ref.dtype, ref.shape)
+            head = piece_header(replace(ref, rank=q), j, rs.bounds[j])
             acc += decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self._run_key)
         return acc
 

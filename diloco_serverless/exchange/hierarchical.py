@@ -36,7 +36,7 @@ bit-identical on every replica.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -52,6 +52,7 @@ from diloco_serverless.exchange.codec import (
 )
 from diloco_serverless.exchange.quorum import Quorum, ReadyMarker
 from diloco_serverless.exchange.topology import branching, levels
+from diloco_serverless.exchange.votes import piece_header
 from diloco_serverless.run.layout import (
     contrib_key,
     control_spread,
@@ -186,7 +187,6 @@ class HierarchicalRound:
         mine = self.own is not None and self.rank in members
         keys = {q: contrib_key(self.r, j, q, self.spread) for q in members if not (mine and q == self.rank)}
         blobs = self.io.get_many(list(keys.values()), missing_ok=True)
-        a, b = self.bounds[j]
         out = []
         for q in members:
             if mine and q == self.rank:
@@ -198,8 +198,7 @@ class HierarchicalRound:
                     f"round {self.r}: contribution {keys[q]!r} of participant {q} is missing although its ready "
                     "marker exists; the round was pruned or the store lost it — restart the round"
                 )
-            head = ShardHeader(self.run_id, self.r, j, "contrib", self.ref.codec, b - a, q, self.ref.dtype,
-                               self.ref.shape)
+            head = piece_header(replace(self.ref, rank=q), j, self.bounds[j])
             out.append(decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self.run_key))
         return out
 
