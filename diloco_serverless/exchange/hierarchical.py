@@ -15,10 +15,10 @@ protocol's. With L levels (:func:`~.topology.levels`: 2, or 3 from 128 replicas)
 3. **Reduce.** ``reduced/<j>`` is the sum of the top level's partials of shard j in group order,
    divided by |Q|, encoded with the round's codec and written create-only by ``Q[(|Q| - 1 - j) mod |Q|]``.
 4. **Gather.** Everyone GETs the S reduced shards. Above 64 replicas, when a reduced shard is at most
-   :data:`COPY_MAX_BYTES`, its writer also puts :func:`reduced_copies` copies of it in other prefixes
-   (after the create-only original, in the background) and every other replica reads copy ``rank mod
-   copies``: N replicas reading S small objects within two round trips would send each object's prefix
-   ~N GETs at once (17,000/s at N = 1,024 for a 4 MB tensor in the scale model, against S3's 5,500). A
+   :data:`COPY_MAX_BYTES`, the replica whose create of it won also puts :func:`reduced_copies` copies
+   of it in other prefixes (in the background) and every other replica reads copy ``rank mod copies``:
+   N replicas reading S small objects within two round trips would send each object's prefix ~N GETs
+   at once (17,000/s at N = 1,024 for a 4 MB tensor in the scale model, against S3's 5,500). A
    replica whose copy has not appeared after half the takeover timeout reads the original.
 
 Per replica that is S + 1 PUTs up front, ~S requests for its level-1 partial, S at the end (the
@@ -173,11 +173,10 @@ class HierarchicalRound:
         data = pack(enc, asdict(header), self.run_key)
         if self.io.put_if_absent(key, data):
             out = decode_values(enc, header.codec, header.numel)
+            if level == self.depth:  # the copies of our original (a writer that lost leaves them to the winner)
+                self._put_copies(j, data)
         else:
-            data = self.io.get(key)
-            out = decode_shard(data, key=key, expect=header, run_key=self.run_key)
-        if level == self.depth:  # copies of the stored original (ours, or the one that won)
-            self._put_copies(j, data)
+            out = decode_shard(self.io.get(key), key=key, expect=header, run_key=self.run_key)
         self.have[(level, k, j)] = out
         return out
 
