@@ -187,3 +187,18 @@ def test_compose_ranges_never_exceed_gcs_source_limit() -> None:
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert compose_ranges(3 * MIN_PART_SIZE, policy) == [(0, MIN_PART_SIZE), (MIN_PART_SIZE, 2 * MIN_PART_SIZE),
                                                           (2 * MIN_PART_SIZE, 3 * MIN_PART_SIZE)]
+
+
+def test_a_listing_is_one_request_even_when_it_finds_nothing(gcs_store_url: str, gcs_storage_options: dict[str, Any],
+                                                             gcs_requests: Any) -> None:
+    """gcsfs's find() lists a folder that holds nothing a second time, as if it were a file: two requests per
+    empty poll of the exchange. One listing now, whatever it finds."""
+    store = _store(gcs_store_url, gcs_storage_options)
+    store.put("rounds/00000001/ready/0003", b"x")
+    store.put("rounds/00000001/readyish", b"a sibling key, not in the folder")
+    gcs_requests.requests.clear()
+    assert store.list("rounds/00000000/ready") == []
+    assert store.list("rounds/00000001/ready") == ["rounds/00000001/ready/0003"]
+    assert store.list("rounds") == ["rounds/00000001/ready/0003", "rounds/00000001/readyish"]
+    assert [r["method"] for r in gcs_requests.requests] == ["GET"] * 3
+    assert all(r["path"].endswith("/o") for r in gcs_requests.requests)  # object listings, no metadata read

@@ -232,3 +232,20 @@ def test_the_other_ranges_start_when_the_first_answer_arrives_not_its_body(s3_se
     assert len(gets) == 3 and gets[0].range == f"bytes=0-{MIN_PART_SIZE - 1}"
     for later in gets[1:]:
         assert later.arrived - gets[0].answered < 1.0, "a later range waited for the first range's body"
+
+
+def test_a_listing_is_one_request_even_when_it_finds_nothing(emu: StoreEmulator, bucket: str) -> None:
+    """s3fs's find() follows an empty listing with a HEAD and a second LIST (is the folder a file?): every
+    empty poll of the exchange cost three requests, one after the other. One LIST now, whatever it finds."""
+    store = _store(emu.url, bucket)
+    store.put("run/rounds/00000001/ready/0003", b"x")
+    store.put("run/rounds/00000001/ready/0003x", b"a sibling whose name extends the folder's")
+    store.put("run/rounds/00000001/readyish", b"a sibling key, not in the folder")
+    emu.reset()
+    assert store.list("run/rounds/00000000/ready") == []
+    assert store.list("run/rounds/00000001/ready") == ["run/rounds/00000001/ready/0003",
+                                                        "run/rounds/00000001/ready/0003x"]
+    assert store.list("nothing") == []
+    assert store.list("") == ["run/rounds/00000001/ready/0003", "run/rounds/00000001/ready/0003x",
+                              "run/rounds/00000001/readyish"]
+    assert _kinds(emu.requests()) == {"bucket_get": 4}  # four listings, no HEAD, no second LIST
