@@ -31,6 +31,8 @@ __all__ = [
     "HEARTBEAT_FIELDS",
     "HEARTBEAT_STATES",
     "Heartbeat",
+    "heartbeat_bytes",
+    "metrics_bytes",
     "parse_heartbeat_field",
     "read_members",
     "read_metrics",
@@ -200,11 +202,16 @@ def parse_heartbeat_field(name: str, value: Any) -> tuple[Any, str | None]:
     return value, why
 
 
-def write_heartbeat(run_store: ObjectStore, heartbeat: Heartbeat) -> None:
-    """Overwrite ``members/rank-<r>.json``. Raises ValueError for an unknown state."""
+def heartbeat_bytes(heartbeat: Heartbeat) -> bytes:
+    """The object :func:`write_heartbeat` writes. Raises ValueError for an unknown state."""
     if heartbeat.state not in HEARTBEAT_STATES:
         raise ValueError(f"heartbeat state {heartbeat.state!r} of rank {heartbeat.rank} not in {HEARTBEAT_STATES}")
-    run_store.put(member_key(heartbeat.rank), json.dumps(heartbeat.to_json_dict(), indent=1).encode("utf-8"))
+    return json.dumps(heartbeat.to_json_dict(), indent=1).encode("utf-8")
+
+
+def write_heartbeat(run_store: ObjectStore, heartbeat: Heartbeat) -> None:
+    """Overwrite ``members/rank-<r>.json``. Raises ValueError for an unknown state."""
+    run_store.put(member_key(heartbeat.rank), heartbeat_bytes(heartbeat))
 
 
 def read_members(run_store: ObjectStore) -> dict[int, Heartbeat]:
@@ -231,19 +238,23 @@ def read_members(run_store: ObjectStore) -> dict[int, Heartbeat]:
 
 
 # --------------------------------------------------------------------------------- metrics
+def metrics_bytes(rank: int, round: int, metrics: dict[str, Any]) -> bytes:
+    """The object :func:`write_metrics` writes, time-stamped now. Raises ValueError if it is not JSON."""
+    record: dict[str, Any] = {"rank": rank, "round": round, "time": time.time()}
+    for k, v in metrics.items():
+        record[k] = str(v) if isinstance(v, float) and not math.isfinite(v) else v
+    try:
+        return json.dumps(record, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"metrics of rank {rank} round {round} are not JSON-serialisable: {exc}") from None
+
+
 def write_metrics(run_store: ObjectStore, rank: int, round: int, metrics: dict[str, Any]) -> None:
     """Write ``metrics/rank-<r>/<round>.json`` = ``{"rank", "round", "time", **metrics}``.
 
     Non-finite floats are stored as the strings "nan"/"inf"/"-inf" (valid JSON); read_metrics restores them.
     """
-    record: dict[str, Any] = {"rank": rank, "round": round, "time": time.time()}
-    for k, v in metrics.items():
-        record[k] = str(v) if isinstance(v, float) and not math.isfinite(v) else v
-    try:
-        data = json.dumps(record, allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"metrics of rank {rank} round {round} are not JSON-serialisable: {exc}") from None
-    run_store.put(metrics_key(rank, round), data)
+    run_store.put(metrics_key(rank, round), metrics_bytes(rank, round, metrics))
 
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

@@ -68,6 +68,7 @@ from diloco_serverless.exchange._io import shard_bounds
 from diloco_serverless.exchange.errors import AbstainedError
 from diloco_serverless.loss import LossComponents, TAIDScheduler, compose_loss, scored_tokens
 from diloco_serverless.run.integrity import RUN_KEY_ENV, run_key_from_env
+from diloco_serverless.run.layout import member_key, metrics_key
 from diloco_serverless.run.members import (
     HEARTBEAT_CHECKPOINTING,
     HEARTBEAT_CONTINUING,
@@ -77,8 +78,8 @@ from diloco_serverless.run.members import (
     HEARTBEAT_HEALING,
     HEARTBEAT_TRAINING,
     Heartbeat,
-    write_heartbeat,
-    write_metrics,
+    heartbeat_bytes,
+    metrics_bytes,
 )
 from diloco_serverless.run.record import load_run, store_policy, transfer_policy
 from diloco_serverless.run.starts import LAUNCH_ID_ENV, write_start
@@ -97,6 +98,7 @@ from diloco_serverless.trainer.fsdp import (
 from diloco_serverless.trainer.local_group import LocalGroup
 from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
 from diloco_serverless.trainer.model import autocast, build_model, compile_model
+from diloco_serverless.trainer.reports import ReportWriter
 from diloco_serverless.trainer.sliced_manager import SlicedManager
 from diloco_serverless.trainer.sliced_outer import shard_outer_optimizers
 
@@ -218,6 +220,8 @@ class ReplicaTrainer:
         self.local_rank = local.rank if local is not None else 0
         #: local rank 0 speaks for the replica: heartbeats, metrics, evaluation, checkpoints, final/
         self.leader = self.local_rank == 0
+        #: the leader's heartbeats and metrics, written in the background (started on first use)
+        self._report_writer: ReportWriter | None = None
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.fragments = cfg.exchange.fragments
         self.total_rounds = cfg.rounds * self.fragments
@@ -510,6 +514,7 @@ class ReplicaTrainer:
                 done = bool(self.local.leader_int(int(done)))
             if done:
                 logger.info("rank %d: run %s already finished (final/DONE.json exists)", self.rank, self.cfg.run_id)
+                self._close_reports()
                 self.manager.shutdown()
                 return TrainResult(self.rank, self.manager.current_step(), 0, self.replayed, False, self.last_eval)
             self._outer_start = time.monotonic()
@@ -671,7 +676,7 @@ class ReplicaTrainer:
             eval_loss = self.evaluate()
         metrics = self._round_metrics(round_, seg, record, committed, wall, blocked, eval_loss)
         if self.leader:
-            write_metrics(self.store, self.rank, round_, metrics)
+            self._reports().put(metrics_key(self.rank, round_), metrics_bytes(self.rank, round_, metrics))
         self.metrics.append(metrics)
         self._heartbeat(HEARTBEAT_TRAINING, loss=metrics.get("total"))
         if outer_done and self._due(self.cfg.checkpoint_every, outer_round):
@@ -863,9 +868,31 @@ class ReplicaTrainer:
             message=message if message is not None else self._note,
         )
         try:
-            write_heartbeat(self.store, hb)
+            data = heartbeat_bytes(hb)
+            if state in _LAST_STATES:  # the attempt ends: everything reported before it first, then this
+                self._close_reports()
+                self.store.put(member_key(self.rank), data)
+            else:
+                self._reports().put(member_key(self.rank), data)
         except Exception as exc:
             logger.warning("rank %d: heartbeat failed: %s", self.rank, exc)
+
+    def _reports(self) -> ReportWriter:
+        """The background writer of this replica's heartbeats and metrics (see trainer/reports.py)."""
+        if self._report_writer is None:
+            self._report_writer = ReportWriter(self.store, member_key(self.rank), name=f"diloco-reports-r{self.rank}")
+        return self._report_writer
+
+    def _close_reports(self) -> None:
+        """Write what is queued (for at most the store's timeout), then stop the writer."""
+        writer, self._report_writer = self._report_writer, None
+        if writer is not None and not writer.close(timeout_s=self.store.retry.timeout_s):
+            logger.warning("rank %d: %d heartbeat or metrics writes were still pending after %.0f s; dropped",
+                           self.rank, writer.pending(), self.store.retry.timeout_s)
+
+
+#: heartbeats that end an attempt: written in line, after every report queued before them
+_LAST_STATES = (HEARTBEAT_DONE, HEARTBEAT_FAILED, HEARTBEAT_CONTINUING)
 
 
 def _add(a: LossComponents, b: LossComponents) -> LossComponents:
