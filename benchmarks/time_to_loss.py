@@ -377,7 +377,25 @@ def run_diloco(setup: Setup, site: StoreSite, work: Path) -> dict[str, Any]:
             "bytes_up": sum(m.get("bytes_up", 0) for m in recs),
             "bytes_down": sum(m.get("bytes_down", 0) for m in recs),
             "exchange_s_mean": sum(m.get("exchange_s", 0.0) for m in recs) / max(1, len(recs)),
-            "init_digests": [_digest(initial.items())], "store": store}
+            **_between_rounds(metrics), "init_digests": [_digest(initial.items())], "store": store}
+
+
+def _between_rounds(metrics: dict[int, list[dict[str, Any]]]) -> dict[str, float]:
+    """Where (b)'s time goes outside its rounds, from the metrics records (each stamped when built, right
+    after its round ended; rank 0 builds it after evaluating). ``gap_s``: the mean time from a round's
+    record to the next round's first step (``time - wall_s``) on the ranks that do not evaluate: the
+    healing probe, the heartbeats, checkpoints. ``eval_s``: how much later than the others' rank 0's
+    record of the same round is, when it evaluated (the replicas end a round together, at the exchange)."""
+    gaps = [(b["time"] - b["wall_s"]) - a["time"] for rank, recs in metrics.items() if rank != 0
+            for a, b in zip(recs, recs[1:])]
+    others: dict[int, list[float]] = {}
+    for rank, recs in metrics.items():
+        for rec in recs:
+            if rank != 0:
+                others.setdefault(rec["round"], []).append(rec["time"])
+    evals = [rec["time"] - sum(others[rec["round"]]) / len(others[rec["round"]])
+             for rec in metrics.get(0, []) if "eval_loss" in rec and rec["round"] in others]
+    return {"gap_s": sum(gaps) / len(gaps) if gaps else 0.0, "eval_s": sum(evals) / len(evals) if evals else 0.0}
 
 
 @contextlib.contextmanager
@@ -516,7 +534,9 @@ def print_table(res: dict[str, Any]) -> None:
     print(f"full runs: (a) {a['wall_s']:.1f} s, {a['exchange_s_mean'] * 1e3:.0f} ms/exchange ({phases} ms) "
           f"x {a['exchanges']}; "
           f"(b) {b['wall_s']:.1f} s ({b['launch_to_done_s']:.1f} s launch to done), "
-          f"{b['exchange_s_mean'] * 1e3:.0f} ms/exchange x {b['exchanges']}")
+          f"{b['exchange_s_mean'] * 1e3:.0f} ms/exchange x {b['exchanges']}, "
+          f"{b.get('gap_s', 0.0) * 1e3:.0f} ms from a round's end to the next one's first step, "
+          f"{b.get('eval_s', 0.0) * 1e3:.0f} ms evaluating (rank 0)")
     for key, label in (("a_sync_dp", "(a)"), ("b_diloco", "(b)")):
         print(f"{label} eval curve (s, step, loss): "
               + ", ".join(f"({t:.1f}, {st}, {lo:.3f})" for t, st, lo in res["arms"][key]["curve"]))
