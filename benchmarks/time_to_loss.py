@@ -5,6 +5,8 @@ Run (from the repo root, venv active):
     python benchmarks/time_to_loss.py --quick            # N=4, T=96 steps, H=16, s3-standard emulation (~6 min)
     python benchmarks/time_to_loss.py                    # N=4, T=192 steps, H=16 (~12 min)
     python benchmarks/time_to_loss.py --quick --sync-every 32 --diloco-factor 3   # the README's table (~8 min)
+    python benchmarks/time_to_loss.py --quick --replicas 2 --sync-every 24 --diloco-factor 3 \
+        --set exchange.fragment_sync_delay=6      # one core per replica, exchange overlapped (~3.5 min)
     python benchmarks/time_to_loss.py --preset r2 --sync-every 8 --set outer.lr=0.5
     python benchmarks/time_to_loss.py --backend file --replicas 2 --steps 4 --sync-every 2   # smoke run
 
