@@ -634,7 +634,8 @@ class ObjectStore:
         """
         if self.protocol == "gs":
             items, _ = self._fs_call("do_list_objects", path, delimiter="", timeout_s=remaining, hedged=True)
-            return [str(o["name"]) for o in items]
+            names = (str(o["name"]) for o in items)
+            return [n for n in names if not n.endswith("/")]  # a console's "folder" placeholder is no object
         parent, _, name = path.rstrip("/").rpartition("/")
         if self.protocol == "s3" and parent:
             return list(self._fs_call("find", parent, prefix=f"{name}/", timeout_s=remaining, hedged=True))
