@@ -531,7 +531,7 @@ class ReplicaTrainer:
     def _one_round(self) -> None:
         """Catch up if the others are ahead, then inner steps until the next exchange round finished."""
         self._outer_done = False
-        replayed = self.rep.catch_up(self.total_rounds) if self._may_be_behind() else 0
+        replayed = self.rep.catch_up(self.total_rounds)
         if replayed:  # the others finished rounds without us: skip the data they stand for
             self.replayed += replayed
             self.inner_steps += replayed * self.rep.inner_steps_per_round
@@ -565,24 +565,6 @@ class ReplicaTrainer:
         self.inner.state.clear()
         self.abstentions += 1
         self._note = f"abstained from round {round_}: {reason}"[:500]
-
-    def _may_be_behind(self) -> bool:
-        """Whether the others may have finished the next round without this replica, so that the store
-        must be asked before training it (two requests in sequence: the round's quorum, its votes).
-
-        False right after a round this replica took part in: the others needed its contribution to end
-        that round, and they end the next one without it only after their straggler timeout, long after
-        this replica has started it. A replica that does fall behind anyway finds the round closed
-        when it publishes (``late``), and catches up at the start of the round after. True at the start,
-        after a failed, late, replayed or abstained round, and whenever the last round is not ours.
-        """
-        last = self.manager.history[-1] if self.manager.history else None
-        behind = not (last is not None and last.round == self.manager.current_step() - 1 and not last.replayed
-                      and not last.late and last.error is None and last.abstained is None
-                      and self.rank in last.participants)
-        if self.local is not None:  # one decision for the replica: local rank 0's
-            behind = bool(self.local.leader_int(int(behind)))
-        return behind
 
     def _inner_step(self, seg: _Segment) -> None:
         """One inner step: the scheduled lr, forward/backward of ``compose_loss`` over the batch's
@@ -886,12 +868,9 @@ class ReplicaTrainer:
             message=message if message is not None else self._note,
         )
         try:
-            data = heartbeat_bytes(hb)
-            if state in _LAST_STATES:  # the attempt ends: everything reported before it first, then this
+            self._reports().put(member_key(self.rank), heartbeat_bytes(hb))
+            if state in _LAST_STATES:  # the attempt ends: wait until this, the last report, is written
                 self._close_reports()
-                self.store.put(member_key(self.rank), data)
-            else:
-                self._reports().put(member_key(self.rank), data)
         except Exception as exc:
             logger.warning("rank %d: heartbeat failed: %s", self.rank, exc)
 
@@ -902,14 +881,15 @@ class ReplicaTrainer:
         return self._report_writer
 
     def _close_reports(self) -> None:
-        """Write what is queued (for at most the store's timeout), then stop the writer."""
+        """Wait (at most the store's timeout) until everything queued is written, then stop the writer.
+        On a timeout its thread goes on writing, in order, while the process lives."""
         writer, self._report_writer = self._report_writer, None
         if writer is not None and not writer.close(timeout_s=self.store.retry.timeout_s):
-            logger.warning("rank %d: %d heartbeat or metrics writes were still pending after %.0f s; dropped",
+            logger.warning("rank %d: %d heartbeat or metrics writes still pending after %.0f s",
                            self.rank, writer.pending(), self.store.retry.timeout_s)
 
 
-#: heartbeats that end an attempt: written in line, after every report queued before them
+#: heartbeats that end an attempt: the last report, waited for
 _LAST_STATES = (HEARTBEAT_DONE, HEARTBEAT_FAILED, HEARTBEAT_CONTINUING)
 
 

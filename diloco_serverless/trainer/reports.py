@@ -9,10 +9,12 @@ reported, and a record that is not JSON fails in the caller) and hands it over; 
 in order. A heartbeat not yet written is replaced by a newer one (only the latest state matters);
 metrics are never dropped.
 
-:meth:`ReportWriter.flush` waits until everything handed over is written; the trainer calls it before
-the reports that end an attempt (``done``, ``failed``, ``continuing``), which it writes in line, so a
-reader that sees such a heartbeat also sees every metrics record before it. A failed write (after
-the store's own retries) is logged and counted, never raised: reports are not worth a replica.
+:meth:`ReportWriter.flush` waits until everything handed over is written. The trainer closes the writer
+right after queueing a heartbeat that ends an attempt (``done``, ``failed``, ``continuing``): that
+heartbeat is the last object written, so a reader that sees it also sees every metrics record before
+it, and no older state can overwrite it. A close that times out leaves the thread writing, in order.
+A failed write (after the store's own retries) is logged and counted, never raised: reports are not
+worth a replica.
 """
 
 from __future__ import annotations
@@ -76,11 +78,12 @@ class ReportWriter:
         return True
 
     def close(self, timeout_s: float | None = None) -> bool:
-        """Flush, then stop the thread; False if the flush timed out (what is left is not written)."""
-        done = self.flush(timeout_s)
+        """Refuse new reports, flush, and let the thread end once the queue is empty; False if the flush
+        timed out (the thread then goes on writing what is left, in order)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        done = self.flush(timeout_s)
         if done:
             self._thread.join(timeout_s)
         return done

@@ -98,3 +98,18 @@ def test_a_closed_writer_refuses_reports_and_its_thread_ends(store: GatedStore) 
     assert not any(t.name == "reports-under-test" for t in threading.enumerate())
     with pytest.raises(RuntimeError, match="closed"):
         writer.put(HB, b"too late")
+
+
+def test_a_close_that_times_out_keeps_writing_in_order_so_the_last_heartbeat_stays_last(store: GatedStore) -> None:
+    """The trainer queues the heartbeat that ends an attempt and closes the writer. On a store slower than
+    the close's timeout, an older heartbeat must never land after it."""
+    writer = ReportWriter(store, HB)
+    writer.put(HB, b"training")
+    assert store.entered.wait(5)  # "training" is in flight, blocked
+    writer.put("metrics/rank-3/00000007.json", b"m7")
+    writer.put(HB, b"failed")
+    assert writer.close(timeout_s=0.2) is False and writer.pending() == 3
+    store.gate.set()
+    assert writer.flush(timeout_s=10)
+    assert store.order == [(HB, b"training"), ("metrics/rank-3/00000007.json", b"m7"), (HB, b"failed")]
+    assert store.get(HB) == b"failed"

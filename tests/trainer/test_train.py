@@ -347,36 +347,3 @@ def test_a_replica_back_before_the_first_checkpoint_re_trains_its_rounds(finishe
     trainer = ReplicaTrainer.from_run(f"file://{copy}", 1)
     assert trainer.heal() == 0 and trainer.manager.retrain_own_rounds
     trainer.manager.shutdown()
-
-
-def test_a_replica_asks_the_store_whether_it_is_behind_only_when_it_may_be(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Asking costs two requests in sequence before the round's first step (the round's quorum, its votes).
-    After a round this replica took part in, the others cannot have ended the next one without it: it asks
-    again only after a round it did not take part in cleanly."""
-    import dataclasses
-
-    from diloco_serverless.trainer.diloco import DiLoCoReplica
-
-    asked: dict[int, list[int]] = {0: [], 1: []}
-    real = DiLoCoReplica.catch_up
-
-    def counting(self: DiLoCoReplica, limit_round: int | None = None) -> int:
-        asked[self.manager.rank].append(self.manager.current_step())
-        return real(self, limit_round)
-
-    monkeypatch.setattr(DiLoCoReplica, "catch_up", counting)
-    data = write_jsonl(tmp_path / "data.jsonl")
-    url = create_tiny_run(f"file://{tmp_path}/store", data, 2, rounds=4, checkpoint_every=0, eval_every=0)
-    results = _train(url, [0, 1])
-    _assert_equal(_globals(results[0][1]), _globals(results[1][1]))
-    assert asked == {0: [0, 0], 1: [0, 0]}  # healing, then the first round; never before rounds 1-3
-    trainer = results[1][1]
-    last = trainer.manager.history[-1]
-    assert last.round == 3 and not trainer._may_be_behind()
-    for change in ({"late": True}, {"error": "store down"}, {"abstained": "loss is nan"}, {"participants": [0]},
-                   {"replayed": True}, {"round": 2}):
-        trainer.manager.history[-1] = dataclasses.replace(last, **change)
-        assert trainer._may_be_behind(), change
-    trainer.manager.history.clear()
-    assert trainer._may_be_behind()
