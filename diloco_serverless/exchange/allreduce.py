@@ -314,6 +314,20 @@ class ObjectStoreAllReduce:
         ]
         return torch.cat(parts).view(like.shape).to(device=like.device, dtype=like.dtype)
 
+    def holds_round(self, round: int, like: torch.Tensor) -> bool:
+        """Whether the store still holds round ``round``'s outcome (its quorum, or every rank's vote in a
+        round without one), found without reading the averaged data: what a replica checks before it
+        re-trains the run from its start (one GET, and one listing for a round without a quorum)."""
+        if self._io is None:
+            return False
+        if read_quorum(self._io, run_id=self.run_id, round=round, run_key=self._run_key) is not None:
+            return True
+        me = self._marker(round, like, resolve(self.topology, self.world_size,
+                                               max_object_bytes(self.codec, like.numel())))
+        if not quorumless(me, quorum=self._QUORUM):
+            return False
+        return VotedRound(self._io, me, self._wait(time.monotonic() + self.timeout_s)).complete()
+
     def prune(self, before_round: int) -> None:
         """Delete every stored round numbered below ``before_round`` (missing rounds are fine)."""
         if self._io is None:

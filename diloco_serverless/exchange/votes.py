@@ -245,10 +245,14 @@ class VotedRound:
         self.entries[me.rank] = mine
         return mine
 
+    def complete(self) -> bool:
+        """Whether every rank's vote key holds something (one listing; nothing is read)."""
+        return set(self.keys.values()) <= set(self.io.list(self.prefix))
+
     def stored(self) -> dict[int, Entry] | None:
         """Every rank's entry of a round that is over (for replay), or ``None`` unless all N vote keys
         hold something."""
-        if not set(self.keys.values()) <= set(self.io.list(self.prefix)):
+        if not self.complete():
             return None
         blobs = self.io.get_many(list(self.keys.values()), missing_ok=True)
         if len(blobs) != len(self.keys):

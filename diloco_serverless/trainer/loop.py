@@ -398,13 +398,20 @@ class ReplicaTrainer:
 
     # ------------------------------------------------------------------ healing
     def heal(self) -> int:
-        """Load the newest checkpoint newer than our state, then replay stored rounds; returns rounds gained."""
+        """Load the newest checkpoint newer than our state (or, when it lacks this replica's own state and the
+        rounds since the start are all stored, re-train from the start), then replay stored rounds; returns
+        rounds gained."""
         before = self.manager.current_step()
         latest = ckpt.find_latest_checkpoint(self.store)
         if self.local is not None:  # checkpoints complete while we look: the replica heals from one
             latest = self.local.leader_int(-1 if latest is None else latest)
             latest = None if latest < 0 else latest
         position: int | None = None
+        own: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        if latest is not None and latest + 1 > self.manager.current_step():
+            own = ckpt.load_replica_state(self.store, latest, self.rank, self.run_key)
+            if self._retrain_from_start(latest, own is None):
+                latest = None
         if latest is not None and latest + 1 > self.manager.current_step():
             tensors, info = ckpt.load_checkpoint(self.store, latest, self.run_key)
             self.rep.load_state_tensors(tensors, info.meta, source=f"{self.store.url}/checkpoints/{latest:08d}")
@@ -412,7 +419,6 @@ class ReplicaTrainer:
             if state is not None:
                 self.data.load_state_dict(state)
                 position = self.data.position
-            own = ckpt.load_replica_state(self.store, latest, self.rank, self.run_key)
             if own is not None:
                 self._restore_replica_state(*own)
             logger.info("rank %d: loaded checkpoint of round %d (step %d)%s", self.rank, latest, info.step,
@@ -433,6 +439,23 @@ class ReplicaTrainer:
                 implied if position is None else position + replayed * per_round * self.cfg.data.batch_size
             )
         return gained
+
+    def _retrain_from_start(self, latest: int, lacks_own_state: bool) -> bool:
+        """Whether to ignore checkpoint ``latest`` and re-train from the run's start: it lacks this
+        replica's own state (the replica was down when it was written, and another rank took its shard
+        over), this process starts from the run's initial state, and every round up to ``latest`` is still
+        stored (none was pruned yet). Re-training them keeps the resume exact; loading the checkpoint
+        would continue with a fresh inner optimizer. One answer for all local processes (the leader's)."""
+        retrain = (lacks_own_state and self.exact_resume and self.manager.current_step() == 0
+                   and all(self.manager.holds_round(r, self.rep.flat_like(r % len(self.rep.fragments)))
+                           for r in (0, latest)))
+        if self.local is not None:
+            retrain = bool(self.local.leader_int(int(retrain)))
+        if retrain:
+            logger.info("rank %d: the checkpoint of round %d lacks this replica's own state (it was down when the "
+                        "checkpoint was written); re-training rounds 0-%d from the run's start instead of loading it, "
+                        "so the resume stays exact", self.rank, latest, latest)
+        return retrain
 
     def _replica_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What this replica alone knows and a restart would otherwise lose: the inner optimizer's

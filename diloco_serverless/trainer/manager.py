@@ -188,6 +188,11 @@ class ManagerBase(abc.ABC):
         """The stored reduced result of ``round_`` or ``None`` (not finished, pruned or absent)."""
         return self._read_round(round_, like)
 
+    def holds_round(self, round_: int, like: torch.Tensor) -> bool:
+        """Whether the store still holds the outcome of ``round_`` (False here: no store; the object-store
+        manager asks its exchange)."""
+        return False
+
     # -- torchft Manager API --------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
                   reduce_op: ReduceOp.RedOpType = ReduceOp.AVG) -> ExchangeWork:
@@ -451,6 +456,10 @@ class ObjectStoreManager(ManagerBase):
     def _read_round(self, round_: int, like: torch.Tensor) -> torch.Tensor | None:
         unless = self.rank if self.retrain_own_rounds else None
         return self.exchange.read_reduced(round_, like, unless_participant=unless)
+
+    def holds_round(self, round_: int, like: torch.Tensor) -> bool:
+        """Whether the store still holds the outcome of ``round_`` (its quorum or votes; no data is read)."""
+        return self.exchange.holds_round(round_, like)
 
     def prune(self, before_round: int) -> None:
         """Delete stored rounds older than ``before_round`` (after a complete checkpoint)."""

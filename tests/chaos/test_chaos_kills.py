@@ -84,17 +84,43 @@ def test_kill_of_the_final_writer_still_completes_final(killed_run: ChaosResult)
     assert all(codes[-1] == 0 for codes in killed_run.exits.values()), killed_run.describe()
 
 
+def _attempt_log(result: ChaosResult, rank: int, attempt: int) -> str:
+    """What attempt ``attempt`` of ``rank`` logged (the harness appends every attempt to one file)."""
+    text = result.logs[rank].read_text()
+    after = text.split(f"===== chaos harness: rank {rank} attempt {attempt} =====", 1)[1]
+    return after.split("===== chaos harness", 1)[0]
+
+
 def test_replica_killed_in_round_0_and_back_after_it_closed_exact_resume(s3_server: str, chaos_reference,
                                                                          tmp_path: Path) -> None:
     """EXACT RESUME before the first checkpoint: rank 1 dies at its create-only PUT of the shard it owns
-    in round 0 and comes back only after rank 0 took that shard over and closed the round (restart
-    delay 12 s > takeover 5 s). No checkpoint exists yet, so the restarted replica must re-train round 0
-    from the initial state (fresh inner optimizer, seeded RNG, data position 0 — all known) rather than
-    replay it: replaying leaves its inner optimizer empty, and its later contributions differ."""
-    plan = ChaosPlan(seed=8, kills=((1, "owning_shard@0"),), restart_delay_s=12.0)
+    in round 0 and comes back after rank 0 took that shard over and closed the round (restart delay 8 s >
+    takeover 5 s) but before rank 0 gives up waiting for rank 1's checkpoint shard (60 s). No checkpoint
+    exists yet, so the restarted replica must re-train round 0 from the initial state (fresh inner
+    optimizer, seeded RNG, data position 0 — all known) rather than replay it: replaying leaves its inner
+    optimizer empty, and its later contributions differ."""
+    plan = ChaosPlan(seed=8, kills=((1, "owning_shard@0"),), restart_delay_s=8.0, straggler_timeout_s=60.0)
     result = run_chaos(plan, tmp_path, s3_server)
     assert result.kills[0].fired and result.ok, result.describe()
+    assert "loaded checkpoint" not in _attempt_log(result, 1, 1), result.describe()
     assert result.digest is not None, f"replicas differ: {result.digests}"
     assert result.participants == chaos_reference(plan).participants
     assert result.digest == chaos_reference(plan).digest, (
         "the replica restarted before the first checkpoint replayed round 0 instead of re-training it")
+
+
+def test_replica_back_after_its_shard_of_the_first_checkpoint_was_taken_over_exact_resume(
+        s3_server: str, chaos_reference, tmp_path: Path) -> None:
+    """EXACT RESUME when the first checkpoint holds everything but the restarted replica's own state: rank 1
+    dies at its owned shard of round 0 and comes back 30 s later, after rank 0 closed round 0 and, 10 s
+    (the straggler timeout) into the checkpoint, wrote rank 1's checkpoint shard itself. Loading that
+    checkpoint would go on with a fresh inner optimizer; the replica instead re-trains round 0 from the
+    run's start (still stored), and the run ends bit-identical to the fault-free one."""
+    plan = ChaosPlan(seed=9, kills=((1, "owning_shard@0"),), restart_delay_s=30.0, straggler_timeout_s=10.0)
+    result = run_chaos(plan, tmp_path, s3_server)
+    assert result.kills[0].fired and result.ok, result.describe()
+    assert "lacks this replica's own state" in _attempt_log(result, 1, 1), result.describe()
+    assert result.digest is not None, f"replicas differ: {result.digests}"
+    assert result.participants == chaos_reference(plan).participants
+    assert result.digest == chaos_reference(plan).digest, (
+        "the replica that lost its own state loaded the checkpoint instead of re-training from the start")

@@ -322,6 +322,20 @@ def test_read_reduced_replays_and_prune(url: str) -> None:
     assert ar.read_reduced(2, xs[0]) is not None
 
 
+@pytest.mark.parametrize("with_quorum", [False, True], ids=["votes", "quorum"])
+def test_holds_round_tells_stored_rounds_from_pruned_and_future_ones(url: str, with_quorum: bool) -> None:
+    """What a restarted replica checks before it re-trains the run from its start: True for a round whose
+    outcome (quorum, or all votes) is stored, False once pruned and for a round not run yet."""
+    xs = {r: randn(300, r) for r in range(2)}
+    make = WithQuorum if with_quorum else ObjectStoreAllReduce
+    _, errors, _ = run_replicas(url, xs, 2, rounds=3, keep_rounds=None, make=make)
+    assert not errors
+    ar = make(url, 1, 2, run_id="t", **FAST)
+    assert [ar.holds_round(k, xs[1]) for k in range(4)] == [True, True, True, False]
+    ar.prune(2)
+    assert [ar.holds_round(k, xs[1]) for k in range(4)] == [False, False, True, False]
+
+
 def test_replica_behind_a_pruned_round_is_told_to_heal(url: str) -> None:
     xs = {r: randn(100, r) for r in range(2)}
     run_replicas(url, xs, 2, rounds=3, keep_rounds=1)

@@ -117,15 +117,40 @@ def test_late_replica_heals_bit_identical(finished_run, tmp_path: Path, drop: st
         for p in (copy / "checkpoints").glob("0*"):
             shutil.rmtree(p)
     trainer = ReplicaTrainer.from_run(f"file://{copy}", 1)
-    if drop == "all_checkpoints":
-        # from the run's start a replica of a rank that took part re-trains its rounds exactly (see
-        # test_a_crashed_replica_resumes_exactly); here the replay path itself is under test
-        trainer.exact_resume = False
+    # from the run's start (no checkpoint, or none with its own state while every round since the start is
+    # stored) a replica of a rank that took part re-trains its rounds exactly (see
+    # test_a_crashed_replica_resumes_exactly and test_heal_without_own_state_retrains_from_the_start);
+    # here the replay path itself is under test
+    trainer.exact_resume = False
     gained = trainer.heal()
     assert gained == 3 and trainer.manager.current_step() == 3
     assert trainer.replayed == (1 if drop == "last_checkpoint" else 3)
     _assert_equal(_globals(trainer), _globals(results[0][1]))
     assert trainer.data.position == 3 * 2 * 2
+    trainer.manager.shutdown()
+
+
+@pytest.mark.parametrize("rounds_kept", [True, False], ids=["rounds_kept", "round_0_pruned"])
+def test_heal_without_own_state_retrains_from_the_start(finished_run, tmp_path: Path, rounds_kept: bool) -> None:
+    """The newest checkpoint lacks this replica's own state (it was down while another rank took its shard
+    over): while every round since the start is stored, a fresh process re-trains from the run's start
+    (exact) instead of loading the checkpoint with a fresh inner optimizer; once round 0 is pruned, it
+    loads the checkpoint."""
+    url, _ = finished_run
+    copy = tmp_path / "copy" / "run-test"
+    shutil.copytree(url.removeprefix("file://"), copy)
+    for own in (copy / "checkpoints").glob("*/replica"):
+        shutil.rmtree(own)
+    if not rounds_kept:
+        shutil.rmtree(copy / "rounds" / "00000000")
+    trainer = ReplicaTrainer.from_run(f"file://{copy}", 1)
+    start = _globals(trainer)
+    gained = trainer.heal()
+    if rounds_kept:  # rank 1 took part in round 0: nothing replayed, round 0 is next, to re-train
+        assert gained == 0 and trainer.manager.current_step() == 0 and trainer.manager.retrain_own_rounds
+        _assert_equal(_globals(trainer), start)
+    else:
+        assert gained == 3 and trainer.replayed == 0 and not trainer.manager.retrain_own_rounds
     trainer.manager.shutdown()
 
 
