@@ -421,8 +421,12 @@ class ReplicaTrainer:
                 position = self.data.position
             if own is not None:
                 self._restore_replica_state(*own)
-            logger.info("rank %d: loaded checkpoint of round %d (step %d)%s", self.rank, latest, info.step,
-                        " with this replica's own state" if own is not None else "")
+            if own is None and self.exact_resume:
+                suffix = (" without this replica's own state (none was saved for this rank): its inner optimizer "
+                          "starts fresh, so a replica that trained before its restart does not resume bit-exactly")
+            else:
+                suffix = " with this replica's own state" if own is not None else ""
+            logger.info("rank %d: loaded checkpoint of round %d (step %d)%s", self.rank, latest, info.step, suffix)
         elif latest is None and self.manager.current_step() == 0 and self.exact_resume:
             # No checkpoint yet: this process starts from exactly the state the run started from
             # (stored initial parameters, a fresh optimizer, seeded RNG, data position 0), so rounds
@@ -554,7 +558,9 @@ class ReplicaTrainer:
     def _one_round(self) -> None:
         """Catch up if the others are ahead, then inner steps until the next exchange round finished."""
         self._outer_done = False
-        replayed = self.rep.catch_up(self.total_rounds)
+        replayed = self.rep.catch_up(self.total_rounds) if self._may_be_behind() else 0
+        if self.manager.retrain_own_rounds:
+            self._leave_retraining()
         if replayed:  # the others finished rounds without us: skip the data they stand for
             self.replayed += replayed
             self.inner_steps += replayed * self.rep.inner_steps_per_round
@@ -580,6 +586,38 @@ class ReplicaTrainer:
         else:  # the round failed on this replica: the others may have moved on and pruned
             self.heal()
         self._after_round(round_, seg, record if record and record.round == round_ else None, committed)
+
+    def _may_be_behind(self) -> bool:
+        """Whether the others may have finished the next round without this replica, so that the store
+        must be asked before training it (two requests in sequence: the round's quorum, its votes).
+
+        False right after a round this replica took part in live: the others needed its contribution to
+        end that round, and they end the next one without it only after their straggler timeout, long
+        after this replica has started it (a replica that does fall behind anyway finds the round closed
+        when it publishes, ``late``, and catches up before the round after). True at the start, while
+        it re-trains rounds it took part in before a restart (those rounds were closed long ago, yet
+        look live), and after a failed, late, replayed or abstained round.
+        """
+        last = self.manager.history[-1] if self.manager.history else None
+        behind = self.manager.retrain_own_rounds or not (
+            last is not None and last.round == self.manager.current_step() - 1 and not last.replayed
+            and not last.late and last.error is None and last.abstained is None and self.rank in last.participants)
+        if self.local is not None:  # one decision for the replica: local rank 0's
+            behind = bool(self.local.leader_int(int(behind)))
+        return behind
+
+    def _leave_retraining(self) -> None:
+        """Stop treating stored rounds as possibly this rank's own once the store holds no outcome of the
+        round about to be trained: every later round is new to this replica (a process from before the
+        restart never got past this one), so the rounds from here on are live."""
+        round_ = self.manager.current_step()
+        if round_ >= self.total_rounds:
+            return
+        frontier = not self.manager.holds_round(round_, self.rep.flat_like(round_ % len(self.rep.fragments)))
+        if self.local is not None:
+            frontier = bool(self.local.leader_int(int(frontier)))
+        if frontier:
+            self.manager.retrain_own_rounds = False
 
     def _after_abstention(self, round_: int, reason: str) -> None:
         """This replica did not contribute to ``round_`` (non-finite loss or pseudo-gradient). DiLoCo

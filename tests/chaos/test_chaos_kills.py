@@ -112,11 +112,11 @@ def test_replica_killed_in_round_0_and_back_after_it_closed_exact_resume(s3_serv
 def test_replica_back_after_its_shard_of_the_first_checkpoint_was_taken_over_exact_resume(
         s3_server: str, chaos_reference, tmp_path: Path) -> None:
     """EXACT RESUME when the first checkpoint holds everything but the restarted replica's own state: rank 1
-    dies at its owned shard of round 0 and comes back 30 s later, after rank 0 closed round 0 and, 10 s
-    (the straggler timeout) into the checkpoint, wrote rank 1's checkpoint shard itself. Loading that
+    dies at its owned shard of round 0 and comes back 20 s later, after rank 0 closed round 0 (takeover 5 s)
+    and, 5 s (the straggler timeout) into the checkpoint, wrote rank 1's checkpoint shard itself. Loading that
     checkpoint would go on with a fresh inner optimizer; the replica instead re-trains round 0 from the
     run's start (still stored), and the run ends bit-identical to the fault-free one."""
-    plan = ChaosPlan(seed=9, kills=((1, "owning_shard@0"),), restart_delay_s=30.0, straggler_timeout_s=10.0)
+    plan = ChaosPlan(seed=9, kills=((1, "owning_shard@0"),), restart_delay_s=20.0, straggler_timeout_s=5.0)
     result = run_chaos(plan, tmp_path, s3_server)
     assert result.kills[0].fired and result.ok, result.describe()
     assert "lacks this replica's own state" in _attempt_log(result, 1, 1), result.describe()
