@@ -451,8 +451,7 @@ class ReplicaTrainer:
         stored (none was pruned yet). Re-training them keeps the resume exact; loading the checkpoint
         would continue with a fresh inner optimizer. One answer for all local processes (the leader's)."""
         retrain = (lacks_own_state and self.exact_resume and self.manager.current_step() == 0
-                   and all(self.manager.holds_round(r, self.rep.flat_like(r % len(self.rep.fragments)))
-                           for r in (0, latest)))
+                   and self._holds_round(0) and self._holds_round(latest))
         if self.local is not None:
             retrain = bool(self.local.leader_int(int(retrain)))
         if retrain:
@@ -613,11 +612,15 @@ class ReplicaTrainer:
         round_ = self.manager.current_step()
         if round_ >= self.total_rounds:
             return
-        frontier = not self.manager.holds_round(round_, self.rep.flat_like(round_ % len(self.rep.fragments)))
+        frontier = not self._holds_round(round_)
         if self.local is not None:
             frontier = bool(self.local.leader_int(int(frontier)))
         if frontier:
             self.manager.retrain_own_rounds = False
+
+    def _holds_round(self, round_: int) -> bool:
+        """Whether the store holds the outcome of ``round_`` (of its fragment's shape; no data is read)."""
+        return self.manager.holds_round(round_, self.rep.flat_like(round_ % len(self.rep.fragments)))
 
     def _after_abstention(self, round_: int, reason: str) -> None:
         """This replica did not contribute to ``round_`` (non-finite loss or pseudo-gradient). DiLoCo
