@@ -636,6 +636,9 @@ class ObjectStore:
             items, _ = self._fs_call("do_list_objects", path, delimiter="", timeout_s=remaining, hedged=True)
             names = (str(o["name"]) for o in items)
             return [n for n in names if not n.endswith("/")]  # a console's "folder" placeholder is no object
+        if self.protocol == "memory":  # fsspec's find iterates its dict while other threads write to it
+            folder = "/" + path.strip("/") + "/"
+            return sorted(k for k in list(self._fs.store) if k.startswith(folder))
         parent, _, name = path.rstrip("/").rpartition("/")
         if self.protocol == "s3" and parent:
             return list(self._fs_call("find", parent, prefix=f"{name}/", timeout_s=remaining, hedged=True))
