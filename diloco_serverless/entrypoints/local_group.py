@@ -34,9 +34,14 @@ from typing import Any
 
 from diloco_serverless.executors.base import CONTINUE_EXIT_CODE
 
-__all__ = ["child_env", "free_port", "has_cuda_devices", "run_local_group"]
+__all__ = ["LOCAL_RANK_ENV", "LOCAL_WORLD_SIZE_ENV", "child_env", "free_port", "has_cuda_devices", "run_local_group"]
 
 logger = logging.getLogger("diloco_serverless.replica")
+
+#: Where a local process stands in its replica (torchrun's names), read by the trainer's ``LocalGroup``.
+#: Defined here as well as in ``trainer.local_group`` so that the parent, which only watches, never loads
+#: torch (tests/entrypoints checks that both say the same).
+LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV = "LOCAL_RANK", "LOCAL_WORLD_SIZE"
 
 #: Seconds between SIGTERM and SIGKILL when the replica's other processes are stopped.
 STOP_GRACE_S = 5.0
@@ -66,8 +71,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 def child_env(base: Mapping[str, str], local_rank: int, size: int, port: int, *, cuda: bool) -> dict[str, str]:
     """The environment of local process ``local_rank`` of ``size``."""
     env = dict(base)
-    env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    env.update({LOCAL_RANK_ENV: str(local_rank), LOCAL_WORLD_SIZE_ENV: str(size), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"})
     if cuda and not base.get("DILOCO_DEVICE"):
         env["DILOCO_DEVICE"] = f"cuda:{local_rank}"
     return env

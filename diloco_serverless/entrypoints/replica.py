@@ -34,10 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from diloco_serverless.config import STORE_TIMEOUT_S
-from diloco_serverless.entrypoints.local_group import has_cuda_devices, run_local_group
+from diloco_serverless.entrypoints.local_group import LOCAL_WORLD_SIZE_ENV, has_cuda_devices, run_local_group
 from diloco_serverless.errors import (
     CheckpointError,
     RunError,
@@ -54,7 +52,6 @@ from diloco_serverless.executors.base import (
 )
 from diloco_serverless.run.integrity import run_key_from_env
 from diloco_serverless.run.record import load_run
-from diloco_serverless.trainer.local_group import LOCAL_WORLD_SIZE_ENV
 
 __all__ = ["main"]
 
@@ -152,6 +149,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _dump(trainer: object, folder: str, rank: int) -> None:
+    from safetensors.torch import save_file
+
     Path(folder).mkdir(parents=True, exist_ok=True)
     params = trainer.rep.global_named_parameters()  # type: ignore[attr-defined]
     local = trainer.local  # type: ignore[attr-defined]

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from diloco_serverless.entrypoints.local_group import run_local_group
+from diloco_serverless.entrypoints.local_group import LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV, child_env, run_local_group
 from support import pythonpath_env
 
 
@@ -87,3 +89,19 @@ def test_a_replica_whose_processes_stop_before_the_deadline_continues(
         f.unlink()
     code, _ = _run(tmp_path, "exit75,exit1", monkeypatch)
     assert code == 1
+
+
+def test_the_parent_of_a_local_group_loads_no_torch() -> None:
+    """The parent only starts and watches its local processes: importing the replica entrypoint loads
+    neither torch nor transformers (each costs seconds of start-up, paid again by every local process),
+    and it sets the variables the trainer's ``LocalGroup`` reads."""
+    code = ("import sys, diloco_serverless.entrypoints.replica\n"
+            "print(','.join(sorted(m for m in ('torch', 'torchft', 'transformers', 'safetensors.torch')"
+            " if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == ""
+    from diloco_serverless.trainer import local_group as trainer_side
+
+    env = child_env({}, 1, 2, 1234, cuda=False)
+    assert (env[trainer_side.LOCAL_RANK_ENV], env[trainer_side.LOCAL_WORLD_SIZE_ENV]) == ("1", "2")
+    assert (LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV) == (trainer_side.LOCAL_RANK_ENV, trainer_side.LOCAL_WORLD_SIZE_ENV)
