@@ -58,21 +58,6 @@ def _private_run_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
             os.environ[k] = v
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with ``slow`` tests (replica processes, seconds to a minute each) run first, each file's tests
-    together and in order; the quick files follow. Under ``-n 2 --dist loadfile`` each worker takes the next
-    file when it is free, so the run ends on short files and both workers finish close together (in plain
-    collection order the heaviest files, in tests/trainer, came last and one worker ran alone at the end).
-    The order is the same in every worker, as xdist requires."""
-    first: dict[str, int] = {}
-    slow: set[str] = set()
-    for i, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::", 1)[0], i)
-        if item.get_closest_marker("slow") is not None:
-            slow.add(item.nodeid.split("::", 1)[0])
-    items.sort(key=lambda item: (item.nodeid.split("::", 1)[0] not in slow, first[item.nodeid.split("::", 1)[0]]))
-
-
 def _unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 

@@ -154,10 +154,13 @@ def test_sigkill_and_restart_rejoins_bit_identical(tmp_path: Path) -> None:
 
 
 def test_four_replicas_over_s3_produce_loadable_final(
-    tmp_path: Path, s3_store_url: str, s3_env: dict[str, str], s3_storage_options: dict
+    tmp_path: Path, s3_store_url: str, s3_env: dict[str, str], s3_storage_options: dict,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
-    os.environ.update({k: v for k, v in s3_env.items() if k not in os.environ})
+    for k, v in s3_env.items():  # for this test only: later tests in this worker must not see moto's endpoint
+        if k not in os.environ:
+            monkeypatch.setenv(k, v)
     url = create_tiny_run(s3_store_url, data, 4, rounds=2, checkpoint_every=1, eval_every=1)
     dump = tmp_path / "dump"
     logs = [tmp_path / f"rank-{r}.log" for r in range(4)]
