@@ -23,6 +23,7 @@ the same create-only ``reduced`` objects. Failures raise :class:`ExchangeError` 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
@@ -41,6 +42,8 @@ from diloco_serverless.exchange._io import (
 )
 from diloco_serverless.exchange._io import (
     CountingStore,
+    markers_in,
+    ranks_in,
     shard_bounds,
 )
 from diloco_serverless.exchange.codec import (
@@ -60,11 +63,14 @@ from diloco_serverless.exchange.errors import (
 )
 from diloco_serverless.exchange.gather import ReducedShards
 from diloco_serverless.exchange.hierarchical import HierarchicalRound
+from diloco_serverless.exchange.overlap import wait_prefetching
 from diloco_serverless.exchange.quorum import (
     Quorum,
     QuorumWait,
     ReadyMarker,
     check_agreement,
+    copy_to_read,
+    list_ready,
     marker_tag,
     read_quorum,
     signed_json,
@@ -392,7 +398,7 @@ class ObjectStoreAllReduce:
         direct = rs.me.protocol == "direct"
 
         def put_share(values: torch.Tensor) -> None:
-            rs.own = self._put_contributions(rs, values)
+            rs.own = self._put_contributions(rs, values, lambda: ranks_in(io.list(round_.prefix)))
 
         round_ = VotedRound(io, rs.me, self._wait(rs.deadline), None if direct else put_share)
         mine = round_.publish(flat, rs.stats.abstained, fresh=fresh)
@@ -441,14 +447,21 @@ class ObjectStoreAllReduce:
         """PUT our S contribution objects concurrently, then our ready marker; return what others will decode."""
         io = self._io
         assert io is not None
-        own = self._put_contributions(rs, flat)
+        look = None
+        if copy_to_read(rs.me) is None:  # a replica that lists the ready markers anyway (all, up to 16)
+            look = lambda: set(markers_in(list_ready(io, rs.r, self.world_size)))  # noqa: E731
+        own = self._put_contributions(rs, flat, look)
         self._before_ready(rs)
         io.put(ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key), control_spread(self.world_size)),
                signed_json(self._run_key, "ready", asdict(rs.me)))
         return own
 
-    def _put_contributions(self, rs: _Round, flat: torch.Tensor) -> list[torch.Tensor]:
-        """PUT our S contribution objects concurrently; return what others will decode."""
+    def _put_contributions(
+        self, rs: _Round, flat: torch.Tensor, look: Callable[[], set[int]] | None = None
+    ) -> list[torch.Tensor]:
+        """PUT our S contribution objects concurrently; return what others will decode. With ``look``
+        (one listing: the ranks whose contributions are complete), start prefetching theirs once half
+        of ours are answered (:func:`~diloco_serverless.exchange.overlap.wait_prefetching`)."""
         io = self._io
         assert io is not None
 
@@ -459,7 +472,11 @@ class ObjectStoreAllReduce:
             io.put(contrib_key(rs.r, j, self.rank, self._spread), pack(enc, asdict(header), self._run_key))
             return decode_values(enc, self.codec, b - a)
 
-        return list(self._executor().map(one, range(len(rs.bounds))))
+        futures = [self._executor().submit(one, j) for j in range(len(rs.bounds))]
+        if look is None or self.protocol == "hierarchical":  # nothing safe to prefetch there (see _prefetch)
+            return [fut.result() for fut in futures]
+        return wait_prefetching(futures, lambda: look() - {self.rank}, lambda ready: self._prefetch(rs, ready),
+                                others=self.world_size - 1, poll_interval_s=self.poll_interval_s)
 
     def _before_ready(self, rs: _Round) -> None:
         """Hook between our contributions and our ready marker (a sliced exchange's leader waits
