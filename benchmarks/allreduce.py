@@ -236,6 +236,11 @@ def replica_main(
             poll_interval_s=0.2,
             topology=os.environ.get("BENCH_TOPOLOGY", "flat"),
         )
+        if case.method == "sharded" and os.environ.get("BENCH_ROUND", "steady") == "steady":
+            # Time a round after one this exchange finished, as every round of training but the first after
+            # a (re)start is: such a round skips the read of its own vote or quorum before publishing
+            # (docs/exchange.md, "Round trips"). The untimed round 0 averages 1,024 zeros.
+            ar.allreduce(torch.zeros(1024))
         barrier.wait()  # parent resets counters
         barrier.wait()  # go
         io0, t0, c0 = proc_io(), time.perf_counter(), time.process_time()
@@ -463,6 +468,10 @@ def main() -> int:
     ap.add_argument("--hedge", default="default",
                     help="hedged reads of the replicas' store (both methods): a quantile, 'off', or 'default' "
                          "(the store's, 0.75; docs/exchange.md 'Transfers')")
+    ap.add_argument("--round", choices=("steady", "first"), default="steady",
+                    help="which round of its exchange the sharded method times: 'steady' (default) a round after "
+                         "an untimed small one, as in training; 'first' the exchange's first round, which first "
+                         "reads the store for a vote or quorum of its own (as after a restart)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
     if args.hedge not in ("default", "off"):
@@ -479,6 +488,7 @@ def main() -> int:
     os.environ["BENCH_SPLIT"] = args.split  # read by the replica processes (started after this)
     os.environ["BENCH_TOPOLOGY"] = args.topology
     os.environ["BENCH_HEDGE"] = args.hedge
+    os.environ["BENCH_ROUND"] = args.round
     methods = tuple(m for m in args.methods.split(",") if m)
     if not methods or set(methods) - {"sharded", "naive"}:
         ap.error(f"--methods must name sharded and/or naive, got {args.methods!r}")
@@ -547,6 +557,7 @@ def main() -> int:
         "split": args.split,
         "topology": args.topology,
         "hedge": args.hedge,
+        "round": args.round,
         "presets": {name: PRESETS[name].to_json() for name in dict.fromkeys(args.preset)},
         "replicas": "processes (forkserver), one per replica",
         "rows": rows,
