@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -504,27 +504,38 @@ class ObjectStoreAllReduce:
 
         shards = len(rs.bounds)
         mine = [j for j in range(shards) if quorum.participants[j % len(quorum.participants)] == self.rank]
-        for j, values in self._reduce_all(rs, quorum, mine, ref).items():
-            place(j, values)
-            rs.stats.reduced_shards.append(j)
-        started, sleep_s = time.monotonic(), min(_FIRST_POLL_S, self.poll_interval_s)
-        rs.stats.phases_s["reduce"] = started - t_reduce
         keys = {j: reduced_key(rs.r, j, self._spread) for j in range(shards)}
         fetch = ReducedShards(io, keys, {j: 4 * (b - a) for j, (a, b) in enumerate(rs.bounds)},
                               reduced_prefix(rs.r) if self._spread == 1 else None, _GATHER_BATCH_BYTES)
+        # Where a gather poll is one listing (N <= 16), the gather runs while we reduce our own shards: the
+        # others' reduced shards come down while our sums and PUTs are under way (docs/exchange.md, "Round
+        # trips"). A spread round polls by GETs of every missing shard, so it gathers after its reduce.
+        reducing = {j: self._executor().submit(self._reduce, rs, quorum, j, ref) for j in mine}
+        if self._spread != 1:
+            wait(list(reducing.values()))
+        started: float | None = None  # when our own shards were done: the takeover clock starts there
+        sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
 
         def arrived(j: int, data: bytes) -> None:
             expect = self._reduced_header(rs.r, j, rs.bounds[j], ref)
             place(j, decode_shard(data, key=keys[j], expect=expect, run_key=self._run_key))
 
         while len(done) < shards:
-            if fetch.poll({j for j in range(shards) if j not in done}, arrived):
+            for j in [j for j, fut in reducing.items() if fut.done()]:
+                place(j, reducing.pop(j).result())
+                rs.stats.reduced_shards.append(j)
+            if started is None and not reducing:
+                started = time.monotonic()
+                rs.stats.phases_s["reduce"] = started - t_reduce
+            if len(done) == shards:
+                break
+            if fetch.poll({j for j in range(shards) if j not in done and j not in reducing}, arrived):
                 sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
                 continue
             now = time.monotonic()
             flying = fetch.in_flight()
-            missing = [j for j in range(shards) if j not in done and j not in flying]
-            if missing and now - started >= self.takeover_timeout_s:
+            missing = [j for j in range(shards) if j not in done and j not in flying and j not in reducing]
+            if missing and started is not None and now - started >= self.takeover_timeout_s:
                 for j, values in self._reduce_all(rs, quorum, missing, ref).items():
                     place(j, values)
                     rs.stats.takeovers.append(j)
@@ -535,10 +546,11 @@ class ObjectStoreAllReduce:
                     f"round {rs.r}: reduced shards never appeared (shard: owner rank) {owners}; check those replicas"
                 )
             pause = min(sleep_s, max(0.0, rs.deadline - now))
-            fetch.wait(pause)
+            fetch.wait(pause, also=list(reducing.values()))
             rs.stats.wait_s += time.monotonic() - now
             sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
-        rs.stats.phases_s["gather"] = time.monotonic() - started
+        end = time.monotonic()
+        rs.stats.phases_s["gather"] = end - (end if started is None else started)
         return out
 
     def _prefetch(self, rs: _Round, ready: set[int]) -> None:

@@ -16,8 +16,9 @@ flight at once (at least one shard), so memory stays bounded whatever the tensor
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 from diloco_serverless.exchange._io import CountingStore, shards_in
 
@@ -57,10 +58,11 @@ class ReducedShards:
             progressed = progressed or self._listing is not None
         return progressed
 
-    def wait(self, timeout_s: float) -> None:
-        """Sleep until a download finishes or ``timeout_s`` passes."""
-        if self._flight:
-            wait(list(self._flight.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
+    def wait(self, timeout_s: float, also: Sequence[Future[Any]] = ()) -> None:
+        """Sleep until a download (or one of the futures ``also``) finishes or ``timeout_s`` passes."""
+        futures = [*self._flight.values(), *also]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
         else:
             time.sleep(timeout_s)
 
