@@ -447,14 +447,19 @@ class ObjectStoreAllReduce:
         """PUT our S contribution objects concurrently, then our ready marker; return what others will decode."""
         io = self._io
         assert io is not None
-        look = None
-        if copy_to_read(rs.me) is None:  # a replica that lists the ready markers anyway (all, up to 16)
-            look = lambda: set(markers_in(list_ready(io, rs.r, self.world_size)))  # noqa: E731
-        own = self._put_contributions(rs, flat, look)
+        own = self._put_contributions(rs, flat, self._ready_lister(rs))
         self._before_ready(rs)
         io.put(ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key), control_spread(self.world_size)),
                signed_json(self._run_key, "ready", asdict(rs.me)))
         return own
+
+    def _ready_lister(self, rs: _Round) -> Callable[[], set[int]] | None:
+        """One listing of the ranks whose ready markers exist, for a replica that lists them anyway (all up
+        to 16, ranks 0-15 above: :func:`~diloco_serverless.exchange.quorum.copy_to_read`); else ``None``."""
+        io = self._io
+        if io is None or copy_to_read(rs.me) is not None:
+            return None
+        return lambda: set(markers_in(list_ready(io, rs.r, self.world_size)))
 
     def _put_contributions(
         self, rs: _Round, flat: torch.Tensor, look: Callable[[], set[int]] | None = None
@@ -549,8 +554,8 @@ class ObjectStoreAllReduce:
             fetch.wait(pause, also=list(reducing.values()))
             rs.stats.wait_s += time.monotonic() - now
             sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
-        end = time.monotonic()
-        rs.stats.phases_s["gather"] = end - (end if started is None else started)
+        assert started is not None  # every own shard is placed before the last one is
+        rs.stats.phases_s["gather"] = time.monotonic() - started
         return out
 
     def _prefetch(self, rs: _Round, ready: set[int]) -> None:
