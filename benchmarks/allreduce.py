@@ -243,7 +243,7 @@ def replica_main(
             ar.allreduce(torch.zeros(1024))
         barrier.wait()  # parent resets counters
         barrier.wait()  # go
-        io0, t0, c0 = proc_io(), time.perf_counter(), time.process_time()
+        io0, t0, c0, m0 = proc_io(), time.perf_counter(), time.process_time(), time.monotonic()
         h0 = (store.hedger.reads, store.hedger.backups, store.hedger.wins)
         if case.method == "sharded":
             y = ar.allreduce(x)
@@ -258,6 +258,7 @@ def replica_main(
                 "case": i,
                 "rank": rank,
                 "wall_s": dt,
+                "monotonic_s": [m0, time.monotonic()],  # the round on the emulator's clock (--trace)
                 "cpu_s": cpu,
                 "rchar": io1[0] - io0[0],
                 "wchar": io1[1] - io0[1],
@@ -339,6 +340,8 @@ def summarise(case: Case, per_rank: list[dict[str, Any]], server: dict[int, list
         "requests_per_replica": max(requests) if requests else None,
         "identical_across_ranks": len({d["digest"] for d in per_rank}) == 1,
         "digest": per_rank[0]["digest"],
+        "monotonic_s": {d["rank"]: d["monotonic_s"] for d in per_rank},
+        "phases_s_per_rank": {d["rank"]: d["phases_s"] for d in per_rank},
         "phases_s_max": {k: max(d["phases_s"].get(k, 0.0) for d in per_rank) for k in per_rank[0]["phases_s"]},
         "code_counted_up_mb": (per_rank[0]["code_bytes_up"] or 0) / MB,
         "code_counted_down_mb": (per_rank[0]["code_bytes_down"] or 0) / MB,
@@ -472,6 +475,9 @@ def main() -> int:
                     help="which round of its exchange the sharded method times: 'steady' (default) a round after "
                          "an untimed small one, as in training; 'first' the exchange's first round, which first "
                          "reads the store for a vote or quorum of its own (as after a restart)")
+    ap.add_argument("--trace", default=None, metavar="PATH",
+                    help="write every request the emulator served (client, method, key, arrival, body in, "
+                         "answer, body out; monotonic seconds) to this JSON file, for a round's timeline")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
     if args.hedge not in ("default", "off"):
@@ -521,7 +527,8 @@ def main() -> int:
             url = f"s3://{bucket}"
             target = endpoint
             if backend in PRESETS:  # the replicas talk to the emulator; cleanup goes to moto directly
-                emulators.append(StoreEmulator(endpoint, PRESETS[backend], scale=args.scale, seed=1).start())
+                emulators.append(StoreEmulator(endpoint, PRESETS[backend], scale=args.scale, seed=1,
+                                                trace=args.trace is not None).start())
                 target = emulators[-1].url
             options = {
                 "endpoint_url": target,
@@ -538,6 +545,12 @@ def main() -> int:
             )
     for emu in emulators:
         emu.stop()
+    if args.trace:
+        Path(args.trace).write_text(json.dumps([
+            {"backend": emu.preset.name, "client": r.client, "method": r.method, "key": r.key, "range": r.range,
+             "status": r.status, "arrived": r.arrived, "body_in": body_in, "answered": r.answered, "sent": sent}
+            for emu in emulators if emu.trace is not None for r, body_in, sent in emu.trace
+        ]))
     rows = merge_repeats(rows)
     for r in rows:
         if r["backend"] in PRESETS:

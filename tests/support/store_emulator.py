@@ -176,6 +176,7 @@ class StoreEmulator(HttpProxy):
         scale: float = 1.0,
         seed: int = 0,
         keep_events: int = 100_000,
+        trace: bool = False,
         **limits: Unpack[ProxyLimits],
     ) -> None:
         super().__init__(upstream, **limits)
@@ -193,6 +194,9 @@ class StoreEmulator(HttpProxy):
         self.slowdowns = 0
         self.abandoned = 0  # reads whose client left before the first byte (recorded with status 499)
         self.events: deque[Request] = deque(maxlen=keep_events)
+        #: With ``trace=True``: every served request as (request, when its body had arrived, when its answer
+        #: body had gone out), for a benchmark's timeline; None otherwise.
+        self.trace: deque[tuple[Request, float, float]] | None = deque(maxlen=keep_events) if trace else None
 
     def handle(self, handler: ProxyHandler) -> None:
         arrived = time.monotonic()
@@ -205,6 +209,7 @@ class StoreEmulator(HttpProxy):
         allowed = self._admit(prefix, kind)
         pace = self._pacer(client, up=True)  # registers the client even when its request is refused
         body = handler.read_body(pace if allowed else None)
+        body_in = time.monotonic()
         if body is None:
             handler.close_connection = True
             handler.send(413, [("Content-Type", "text/plain")], b"request body too large for the emulator")
@@ -227,9 +232,12 @@ class StoreEmulator(HttpProxy):
         except OSError as exc:
             handler.send(502, [("Content-Type", "text/plain")], f"emulator: upstream failed: {exc}".encode())
             return
-        self._record(Request(handler.command, key, split.query, handler.headers.get("Range"), client, status,
-                             arrived, time.monotonic()))
+        req = Request(handler.command, key, split.query, handler.headers.get("Range"), client, status, arrived,
+                      time.monotonic())
+        self._record(req)
         handler.send(status, headers, answer, self._pacer(client, up=False))
+        if self.trace is not None:
+            self.trace.append((req, body_in, time.monotonic()))
 
     # ------------------------------------------------------------------ derived parameters
     @property
@@ -255,6 +263,8 @@ class StoreEmulator(HttpProxy):
             self.slowdowns = 0
             self.abandoned = 0
             self.events.clear()
+            if self.trace is not None:
+                self.trace.clear()
 
     def bytes_by_client(self) -> dict[str, tuple[int, int]]:
         """Body bytes moved per client: ``{client: (up, down)}`` (up = request bodies)."""
