@@ -22,6 +22,8 @@ the same create-only ``reduced`` objects. Failures raise :class:`ExchangeError` 
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -36,14 +38,13 @@ from diloco_serverless.config import (
     STRAGGLER_TIMEOUT_S,
     TAKEOVER_TIMEOUT_S,
 )
-from diloco_serverless.errors import ExchangeError
+from diloco_serverless.errors import ExchangeError, StoreError
 from diloco_serverless.exchange._io import (
     FIRST_POLL_S as _FIRST_POLL_S,
 )
 from diloco_serverless.exchange._io import (
     CountingStore,
     markers_in,
-    ranks_in,
     shard_bounds,
 )
 from diloco_serverless.exchange.codec import (
@@ -63,7 +64,7 @@ from diloco_serverless.exchange.errors import (
 )
 from diloco_serverless.exchange.gather import ReducedShards
 from diloco_serverless.exchange.hierarchical import HierarchicalRound
-from diloco_serverless.exchange.overlap import wait_prefetching
+from diloco_serverless.exchange.overlap import EarlyFetch, wait_half, wait_prefetching
 from diloco_serverless.exchange.quorum import (
     Quorum,
     QuorumWait,
@@ -90,7 +91,7 @@ from diloco_serverless.run.layout import (
     round_prefix,
     spread_count,
 )
-from diloco_serverless.store import TransferPolicy
+from diloco_serverless.store import ObjectNotFound, StoreAccessDenied, StoreUnavailable, TransferPolicy
 from diloco_serverless.store.objectstore import ObjectStore
 
 __all__ = [
@@ -102,6 +103,8 @@ __all__ = [
     "RoundStats",
 ]
 
+
+log = logging.getLogger(__name__)
 
 _GATHER_BATCH_BYTES = 512 << 20  # fp32 bytes of reduced shards downloaded concurrently
 
@@ -135,6 +138,13 @@ class _Round:
     own: list[torch.Tensor] | None = None  # our decoded contributions, per shard
     stats: RoundStats | None = None
     prefetch: dict[str, Future[bytes | None]] = field(default_factory=dict)  # contrib key -> GET in flight
+    prefetch_lock: threading.Lock = field(default_factory=threading.Lock)  # an EarlyFetch thread adds too
+    early: EarlyFetch | None = None  # finds the others' contributions before their votes (N <= 16)
+
+    def stop_early(self) -> None:
+        """The participants are known (or the round failed): no more early listings."""
+        if self.early is not None:
+            self.early.stop()
 
 
 class ObjectStoreAllReduce:
@@ -258,12 +268,15 @@ class ObjectStoreAllReduce:
         # replica still finds the quorum while it waits for it).
         fresh = self.last_stats is not None and self.last_stats.round == r - 1 and self._attempted != r
         self._attempted = r
-        if quorumless(me, quorum=self._QUORUM):
-            out = self._quorumless(rs, flat, fresh=fresh)
-        else:
-            quorum = self._join(rs, flat, fresh=fresh)
-            rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
-            out = self._gather(rs, quorum)
+        try:
+            if quorumless(me, quorum=self._QUORUM):
+                out = self._quorumless(rs, flat, fresh=fresh)
+            else:
+                quorum = self._join(rs, flat, fresh=fresh)
+                rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
+                out = self._gather(rs, quorum)
+        finally:
+            rs.stop_early()
         if self.error_feedback and self.codec != "fp32" and rs.own is not None and not rs.stats.late:
             self._residuals[residual_key] = flat - torch.cat(rs.own)
         self._next_round = r + 1
@@ -378,6 +391,7 @@ class ObjectStoreAllReduce:
             rs.stats.phases_s["publish"] = waited - t
             quorum = wait_for_quorum(io, rs.me, self._wait(rs.deadline),
                                      on_ready=lambda ready: self._prefetch(rs, ready))
+            rs.stop_early()
             rs.stats.wait_s += time.monotonic() - waited
             rs.stats.phases_s["quorum"] = time.monotonic() - waited
         check_agreement(quorum, rs.me)
@@ -398,13 +412,14 @@ class ObjectStoreAllReduce:
         direct = rs.me.protocol == "direct"
 
         def put_share(values: torch.Tensor) -> None:
-            rs.own = self._put_contributions(rs, values, lambda: ranks_in(io.list(round_.prefix)))
+            rs.own = self._put_contributions(rs, values)  # a round without a quorum has N <= 16: EarlyFetch
 
         round_ = VotedRound(io, rs.me, self._wait(rs.deadline), None if direct else put_share)
         mine = round_.publish(flat, rs.stats.abstained, fresh=fresh)
         waited = time.monotonic()
         rs.stats.phases_s["publish"] = waited - t
         entries = round_.collect(None if direct else lambda listed: self._prefetch(rs, listed))
+        rs.stop_early()
         rs.stats.wait_s += round_.wait_s
         t = time.monotonic()
         rs.stats.phases_s["quorum"] = t - waited
@@ -474,14 +489,52 @@ class ObjectStoreAllReduce:
             a, b = rs.bounds[j]
             enc = encode_values(flat[a:b], self.codec)
             header = piece_header(rs.me, j, (a, b))
-            io.put(contrib_key(rs.r, j, self.rank, self._spread), pack(enc, asdict(header), self._run_key))
-            return decode_values(enc, self.codec, b - a)
+            key, data = contrib_key(rs.r, j, self.rank, self._spread), pack(enc, asdict(header), self._run_key)
+            stored = self._write_piece(key, data, header)
+            return decode_values(enc, self.codec, b - a) if stored is None else stored
 
         futures = [self._executor().submit(one, j) for j in range(len(rs.bounds))]
-        if look is None or self.protocol == "hierarchical":  # nothing safe to prefetch there (see _prefetch)
+        if self.protocol == "hierarchical":  # nothing safe to prefetch there (see _prefetch)
+            return [fut.result() for fut in futures]
+        if self._spread == 1 and self.protocol == "flat":
+            wait_half(futures)
+            rs.early = self._early_fetch(rs).start()
+            return [fut.result() for fut in futures]
+        if look is None:
             return [fut.result() for fut in futures]
         return wait_prefetching(futures, lambda: look() - {self.rank}, lambda ready: self._prefetch(rs, ready),
                                 others=self.world_size - 1, poll_interval_s=self.poll_interval_s)
+
+    def _write_piece(self, key: str, data: bytes, header: ShardHeader) -> torch.Tensor | None:
+        """Create our contribution object ``key`` (create-only): ``None`` once ``data`` is stored there, or
+        the values of the object already there, ours from before a restart, which count (others may have
+        read it before our vote: :class:`EarlyFetch` does not wait for votes). One the store cannot give
+        back whole, or that does not decode, is replaced: nobody can have summed it. A store that cannot be
+        reached, or refuses us, raises."""
+        io = self._io
+        assert io is not None
+        try:
+            if io.put_if_absent(key, data):
+                return None
+            return decode_shard(io.get(key), key=key, expect=header, run_key=self._run_key)
+        except (StoreUnavailable, StoreAccessDenied, ObjectNotFound):
+            raise
+        except (CorruptObjectError, StoreError) as e:
+            log.warning("round %d: our contribution %r from before a restart is unreadable (%s); writing it again",
+                        header.round, key, e)
+        io.put(key, data)
+        return None
+
+    def _early_fetch(self, rs: _Round) -> EarlyFetch:
+        """An :class:`~diloco_serverless.exchange.overlap.EarlyFetch` of the others' contributions to the
+        shards we reduce if everyone takes part: one listing per shard folder and poll."""
+        io = self._io
+        assert io is not None
+        mine = range(self.rank, len(rs.bounds), self.world_size)
+        expected = {contrib_key(rs.r, j, q) for j in mine for q in range(self.world_size) if q != self.rank}
+        folders = sorted({contrib_key(rs.r, j, self.rank).rsplit("/", 1)[0] for j in mine})
+        return EarlyFetch(lambda: set(io.list_many(folders)), lambda keys: self._prefetch_keys(rs, keys),
+                          expected=expected, poll_interval_s=self.poll_interval_s)
 
     def _before_ready(self, rs: _Round) -> None:
         """Hook between our contributions and our ready marker (a sliced exchange's leader waits
@@ -568,11 +621,15 @@ class ObjectStoreAllReduce:
             return  # the shard we sum depends on who is in our group: nothing safe to prefetch
         shards = len(rs.bounds)
         mine = range(self.rank, shards, self.world_size) if self.protocol == "flat" else range(shards)
-        for q in sorted(ready - {self.rank}):
-            for j in mine:
-                key = contrib_key(rs.r, j, q, self._spread)
-                if key not in rs.prefetch:
-                    rs.prefetch[key] = io.get_async(key)
+        self._prefetch_keys(rs, {contrib_key(rs.r, j, q, self._spread) for q in ready - {self.rank} for j in mine})
+
+    def _prefetch_keys(self, rs: _Round, keys: set[str]) -> None:
+        """Start a GET of each of ``keys`` (contribution objects) not fetched or fetching yet."""
+        io = self._io
+        assert io is not None
+        with rs.prefetch_lock:
+            for key in sorted(keys - rs.prefetch.keys()):
+                rs.prefetch[key] = io.get_async(key)
 
     def _reduce_all(self, rs: _Round, quorum: Quorum, shards: list[int], ref: ReadyMarker) -> dict[int, torch.Tensor]:
         """:meth:`_reduce` of each of ``shards``, concurrently: a split round gives a replica several
@@ -642,9 +699,19 @@ class ObjectStoreAllReduce:
         }
         pending = {k: rs.prefetch.pop(k) for k in keys.values() if k in rs.prefetch}
         blobs = io.get_many([k for k in keys.values() if k not in pending], missing_ok=True)
+        early: set[str] = set()  # read before the participants were known: a damaged one is read again
         for k, fut in pending.items():
-            data = fut.result()
-            blobs.update({k: data} if data is not None else io.get_many([k], missing_ok=True))
+            try:
+                data = fut.result()
+            except (StoreUnavailable, StoreAccessDenied):
+                raise
+            except StoreError:  # e.g. a checksum failure: its writer replaces a damaged piece when it votes
+                data = None
+            if data is None:
+                blobs.update(io.get_many([k], missing_ok=True))
+            else:
+                blobs[k] = data
+                early.add(k)
         acc = torch.zeros(b - a, dtype=torch.float32)
         for q in quorum.participants:
             if use_own and q == self.rank:
@@ -657,7 +724,12 @@ class ObjectStoreAllReduce:
                     "exists; the round was pruned or the store lost it — restart the round"
                 )
             head = piece_header(replace(ref, rank=q), j, rs.bounds[j])
-            acc += decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self._run_key)
+            try:
+                acc += decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self._run_key)
+            except CorruptObjectError:
+                if keys[q] not in early:
+                    raise
+                acc += decode_shard(io.get(keys[q]), key=keys[q], expect=head, run_key=self._run_key)
         return acc
 
     def _finish(self, rs: _Round, t0: float) -> None:

@@ -1,5 +1,6 @@
 """A replica downloads while its own writes wait for their answers: the others' contributions while its last
-contribution PUTs wait (diloco_serverless.exchange.overlap), their reduced shards while its own reduced PUT waits."""
+contribution PUTs wait, before their writers vote (diloco_serverless.exchange.overlap), their reduced shards
+while its own reduced PUT waits. Contribution objects are create-only, so an early read is what counts."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import pytest
 import torch
 
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce, RoundStats
-from diloco_serverless.exchange.overlap import wait_prefetching
-from diloco_serverless.run.layout import contrib_key, reduced_key
-from support.allreduce import WithQuorum, assert_identical, randn, run_replicas
+from diloco_serverless.exchange.overlap import EarlyFetch, wait_prefetching
+from diloco_serverless.run.layout import contrib_key, reduced_key, vote_key
+from diloco_serverless.store.objectstore import ObjectStore
+from support.allreduce import FAST, WithQuorum, assert_identical, randn, run_replicas
 from support.recording_store import RecordingStore
 
 
@@ -61,6 +63,53 @@ def test_a_single_put_is_waited_for_without_listing() -> None:
     assert wait_prefetching([fut], lambda: looks.append(1) or {1}, lambda ready: None, others=1,
                             poll_interval_s=0.02) == [7]
     assert not looks
+
+
+def _fetch_all(look: Callable[[], set[str]], expected: set[str]) -> tuple[EarlyFetch, list[set[str]]]:
+    handed: list[set[str]] = []
+    return EarlyFetch(look, handed.append, expected=expected, poll_interval_s=0.02), handed
+
+
+def test_early_fetch_hands_each_contribution_once_and_stops_when_all_are_seen() -> None:
+    listings = iter([set(), {"a", "x"}, {"a", "x"}, {"a", "b", "x"}, {"a", "b", "c"}])
+    polls: list[int] = []
+
+    def look() -> set[str]:
+        polls.append(1)
+        return next(listings)
+
+    early, handed = _fetch_all(look, {"a", "b", "c"})
+    early.start().join(5)
+    assert handed == [{"a"}, {"b"}, {"c"}]  # new keys only, never one we did not expect ("x")
+    assert len(polls) == 5 and early.seen == {"a", "b", "c"}  # no listing once everything was seen
+
+
+def test_early_fetch_hands_nothing_after_stop() -> None:
+    found, stopped = threading.Event(), threading.Event()
+
+    def look() -> set[str]:
+        if found.is_set():
+            stopped.wait(5)  # a listing still in flight when the participants become known
+            return {"a", "b"}
+        found.set()
+        return {"a"}
+
+    early, handed = _fetch_all(look, {"a", "b"})
+    early.start()
+    assert found.wait(5)
+    early.stop()
+    stopped.set()
+    early.join(5)
+    assert handed == [{"a"}]
+
+
+def test_a_failed_listing_ends_the_early_fetch_quietly() -> None:
+    def look() -> set[str]:
+        raise OSError("listing refused")
+
+    early, handed = _fetch_all(look, {"a"})
+    early.start().join(5)
+    assert not early._thread.is_alive() and handed == [] and early.polls == 0
 
 
 class HoldsOneWrite(RecordingStore):
@@ -128,3 +177,122 @@ def test_the_others_reduced_shards_are_fetched_while_our_reduced_put_waits(
     stats = _run_with(url, held, make, takeover_timeout_s=30.0)  # nobody takes rank 0's shard over meanwhile
     assert stats[0].reduced_shards == [0] and not stats[0].takeovers
     assert held.keys("PUT").count(reduced_key(0, 0)) == 1
+
+
+class HeldUntil(RecordingStore):
+    """A replica's store whose writes of keys ``held`` accepts wait (up to 10 s) for ``until``; its GETs of
+    keys ``signals`` accepts set ``signal``. Two of them with swapped events tie one replica's write to
+    another's read."""
+
+    def __init__(self, url: str, held: Callable[[str], bool], until: threading.Event,
+                 signals: Callable[[str], bool], signal: threading.Event) -> None:
+        super().__init__(url)
+        self.held, self.until, self.signals, self.signal = held, until, signals, signal
+        self.in_time: list[bool] = []
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        if self.signals(key):
+            self.signal.set()
+        return super().get(key, max_bytes=max_bytes)
+
+    def _hold(self, key: str) -> None:
+        if self.held(key):
+            self.in_time.append(self.until.wait(10))
+
+    def put(self, key: str, data: bytes) -> None:
+        self._hold(key)
+        super().put(key, data)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self._hold(key)
+        return super().put_if_absent(key, data)
+
+
+@pytest.mark.parametrize("make", [ObjectStoreAllReduce, WithQuorum], ids=["votes", "quorum"])
+def test_contributions_are_fetched_before_their_writer_votes(make: type[ObjectStoreAllReduce]) -> None:
+    """Rank 1's vote (its ready marker with a quorum) waits until rank 0 has read rank 1's contribution to
+    shard 0, which rank 0 reduces: rank 0 finds it by listing the shard's folder, not through the vote."""
+    url, read, never = f"memory://early-{uuid.uuid4().hex[:8]}", threading.Event(), threading.Event()
+    theirs = contrib_key(0, 0, 1)
+    vote = re.compile(r"rounds/\d+/(votes/rank-1|ready/rank-1\..*)")
+    stores = {
+        0: HeldUntil(url, lambda key: False, never, lambda key: key == theirs, read),
+        1: HeldUntil(url, lambda key: bool(vote.fullmatch(key)), read, lambda key: False, never),
+    }
+    xs = {r: randn(3_001, r) for r in range(3)}
+
+    def factory(u: str, rank: int, n: int, **opts: Any) -> ObjectStoreAllReduce:
+        return make(stores.get(rank, u), rank, n, **opts)
+
+    t = time.monotonic()
+    outs, errors, _ = run_replicas(url, xs, 3, make=factory, topology="flat")
+    assert not errors
+    assert stores[1].in_time == [True], "rank 0 did not read rank 1's contribution before rank 1 voted"
+    assert time.monotonic() - t < 9
+    assert_identical(outs)
+    torch.testing.assert_close(outs[0][0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
+    assert stores[0].keys("GET").count(theirs) == 1  # the early read is the one summed
+
+
+class FailsOneVote(RecordingStore):
+    """Rank 1's store: its first vote write fails, as if the replica died between its pieces and its vote."""
+
+    failed = False
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if key == vote_key(0, 1) and not self.failed:
+            type(self).failed = True
+            raise ConnectionError("replica killed before its vote")
+        return super().put_if_absent(key, data)
+
+
+def test_a_replica_that_republishes_after_dying_before_its_vote_counts_its_stored_pieces() -> None:
+    """Pieces are create-only: a replica that comes back with other values (a re-trained round) keeps the
+    pieces it already wrote, which others may have read before its vote; every replica gets the same mean."""
+    url = f"memory://republish-{uuid.uuid4().hex[:8]}"
+    xs = {r: randn(3_001, r) for r in range(3)}
+    again = randn(3_001, 99)
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def replica(rank: int) -> None:
+        try:
+            store = FailsOneVote(url) if rank == 1 else url
+            with ObjectStoreAllReduce(store, rank, 3, run_id="t", topology="flat", **FAST) as ar:
+                if rank == 1:
+                    with pytest.raises(ConnectionError):
+                        ar.allreduce(xs[1], round=0)
+                    results[rank] = ar.allreduce(again, round=0)
+                else:
+                    results[rank] = ar.allreduce(xs[rank], round=0)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not errors and FailsOneVote.failed
+    assert_identical({r: [v] for r, v in results.items()})
+    torch.testing.assert_close(results[0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
+
+
+def test_a_damaged_piece_left_by_a_dead_write_is_replaced_and_read_again() -> None:
+    """A store may keep a write cut off by its writer's death (moto behind a proxy does). Create-only pieces
+    must not make that permanent: the writer replaces a piece that does not decode, and a reader that read
+    it early reads it again after the vote."""
+    url = f"memory://damaged-{uuid.uuid4().hex[:8]}"
+    damaged = contrib_key(0, 0, 1)  # rank 1's piece of shard 0, which rank 0 reduces
+    ObjectStore(url).child("t").put(damaged, b"cut off mid-body")
+    reader = RecordingStore(url)
+    xs = {r: randn(3_001, r) for r in range(3)}
+
+    def factory(u: str, rank: int, n: int, **opts: Any) -> ObjectStoreAllReduce:
+        return ObjectStoreAllReduce(reader if rank == 0 else u, rank, n, **opts)
+
+    outs, errors, _ = run_replicas(url, xs, 3, make=factory, topology="flat")
+    assert not errors, errors
+    assert_identical(outs)
+    torch.testing.assert_close(outs[0][0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
+    assert reader.keys("GET").count(damaged) >= 1

@@ -349,9 +349,11 @@ class _Run:
             rnd, what, who = int(m.group(1)), m.group(2), m.group(3)
             if stage == "before" and what.startswith("contrib") and who == f"rank-{req.rank}":
                 return "before_upload", rnd
-            # the ready marker, or the create-only contribution that is the vote of a round without a quorum
+            # the ready marker, or the create-only contribution that is the vote of a direct round without a
+            # quorum (a flat round's contributions are create-only too, and it votes apart from them)
             if (stage == "after" and who == f"rank-{req.rank}"
-                    and (what in ("ready", "votes") or (what.startswith("contrib") and req.create_only))):
+                    and (what in ("ready", "votes")
+                         or (what.startswith("contrib") and req.create_only and self.plan.topology != "flat"))):
                 return "after_upload", rnd
             if stage == "before" and what == "reduced" and req.create_only:
                 return "owning_shard", rnd
