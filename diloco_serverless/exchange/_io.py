@@ -32,9 +32,9 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from diloco_serverless.exchange.codec import CODECS, max_object_bytes
 from diloco_serverless.exchange.errors import CorruptObjectError
@@ -44,6 +44,7 @@ from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per empty poll up to poll_interval_s
 _RANK_RE = re.compile(r"rank-(\d+)(?:\.([0-9a-f]+))?$")
@@ -336,11 +337,20 @@ class CountingStore:
         return self.store.exists(key)
 
     def list(self, prefix: str = "") -> list[str]:
+        return self._timed(self.store.list, prefix)
+
+    def list_md5(self, prefix: str = "") -> dict[str, str | None]:
+        """The keys under ``prefix`` with each object's MD5 where the listing tells it
+        (:meth:`ObjectStore.list_md5`), in one listing."""
+        return self._timed(self.store.list_md5, prefix)
+
+    def _timed(self, lister: Callable[[str], T], prefix: str) -> T:
+        """One listing, timed as one of the store's round trips (it moves almost no bytes)."""
         t = time.monotonic()
-        keys = self.store.list(prefix)
+        out = lister(prefix)
         with self._lock:
             self._round_trips.append(time.monotonic() - t)
-        return keys
+        return out
 
     def list_many(self, prefixes: Sequence[str]) -> builtins.list[str]:
         """The keys under each of ``prefixes``, listed concurrently (on the control pool) when several."""

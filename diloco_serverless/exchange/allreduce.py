@@ -107,6 +107,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _GATHER_BATCH_BYTES = 512 << 20  # fp32 bytes of reduced shards downloaded concurrently
+_LIST_PAGE_KEYS = 1_000  # keys in one listing request (S3 ListObjectsV2, GCS objects.list)
+_EARLY_IDLE_POLLS = 8  # EarlyFetch gives up after this many polls in a row without a new contribution
 
 
 @dataclass
@@ -527,14 +529,19 @@ class ObjectStoreAllReduce:
 
     def _early_fetch(self, rs: _Round) -> EarlyFetch:
         """An :class:`~diloco_serverless.exchange.overlap.EarlyFetch` of the others' contributions to the
-        shards we reduce if everyone takes part: one listing per shard folder and poll."""
+        shards we reduce if everyone takes part. A poll is one listing of the round's ``contrib/`` folder
+        while that is one page (N x S <= 1,000 keys), else one listing per shard we reduce; it gives up
+        after eight polls in a row without a new contribution."""
         io = self._io
         assert io is not None
         mine = range(self.rank, len(rs.bounds), self.world_size)
         expected = {contrib_key(rs.r, j, q) for j in mine for q in range(self.world_size) if q != self.rank}
-        folders = sorted({contrib_key(rs.r, j, self.rank).rsplit("/", 1)[0] for j in mine})
+        if self.world_size * len(rs.bounds) <= _LIST_PAGE_KEYS:
+            folders = [contrib_key(rs.r, 0, 0).rsplit("/", 2)[0]]
+        else:
+            folders = sorted({contrib_key(rs.r, j, self.rank).rsplit("/", 1)[0] for j in mine})
         return EarlyFetch(lambda: set(io.list_many(folders)), lambda keys: self._prefetch_keys(rs, keys),
-                          expected=expected, poll_interval_s=self.poll_interval_s)
+                          expected=expected, poll_interval_s=self.poll_interval_s, idle_polls=_EARLY_IDLE_POLLS)
 
     def _before_ready(self, rs: _Round) -> None:
         """Hook between our contributions and our ready marker (a sliced exchange's leader waits

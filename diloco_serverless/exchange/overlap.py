@@ -50,14 +50,18 @@ class EarlyFetch:
 
     ``look`` is one poll (the listings of our shards' folders); polls back off from
     :data:`~diloco_serverless.exchange._io.FIRST_POLL_S` to ``poll_interval_s`` and start again fast
-    after progress. A failed poll ends the watch (logged): it only moves downloads earlier, and the
-    round's own reads find the objects anyway. After :meth:`stop` returns, ``fetch`` is not called again.
+    after progress. The watch also ends after ``idle_polls`` polls in a row without a new key (polls are
+    paced by the store's own latency and the backoff, so this scales with the store): a replica that is
+    far behind (a straggler, one that died) is not listed for all the time the round waits for it; its
+    objects are fetched when its vote is seen, as without the watch. A failed poll ends the watch
+    (logged): it only moves downloads earlier, and the round's own reads find the objects anyway. After
+    :meth:`stop` returns, ``fetch`` is not called again.
     """
 
     def __init__(self, look: Callable[[], set[str]], fetch: Callable[[set[str]], None], *, expected: set[str],
-                 poll_interval_s: float) -> None:
+                 poll_interval_s: float, idle_polls: int | None = None) -> None:
         self._look, self._fetch, self._expected = look, fetch, frozenset(expected)
-        self._poll_interval_s = poll_interval_s
+        self._poll_interval_s, self._idle_polls = poll_interval_s, idle_polls
         self._stopped = threading.Event()
         self._lock = threading.Lock()  # held while handing keys, so that stop() waits for a hand-over
         self._thread = threading.Thread(target=self._run, name="exchange-early-fetch", daemon=True)
@@ -77,7 +81,8 @@ class EarlyFetch:
 
     def _run(self) -> None:
         sleep_s = min(FIRST_POLL_S, self._poll_interval_s)
-        while not self._stopped.is_set() and self.seen < self._expected:
+        idle = 0  # polls in a row that found nothing new
+        while not self._stopped.is_set() and self.seen < self._expected and idle != self._idle_polls:
             try:
                 found = self._look() & self._expected
             except Exception as e:  # noqa: BLE001 - an optimisation must not fail the round; its reads retry
@@ -91,9 +96,9 @@ class EarlyFetch:
                         return
                     self.seen |= new
                     self._fetch(new)
-                sleep_s = min(FIRST_POLL_S, self._poll_interval_s)
+                sleep_s, idle = min(FIRST_POLL_S, self._poll_interval_s), 0
             else:
-                sleep_s = min(sleep_s * 1.5, self._poll_interval_s)
+                sleep_s, idle = min(sleep_s * 1.5, self._poll_interval_s), idle + 1
             self._stopped.wait(sleep_s)
 
 

@@ -27,6 +27,7 @@ for its vote before rewriting any). A dead replica's stored contribution is all 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -212,6 +213,7 @@ class VotedRound:
         self.direct = me.protocol == "direct"
         self.put_share = put_share
         self.keys = vote_keys(me)
+        self._expected_md5: dict[int, str] = {}  # rank -> MD5 of the vote we expect of it (_as_expected)
         self.prefix = self.keys[0].rsplit("/", 1)[0]
         self.entries: dict[int, Entry] = {}
         self.pieces: dict[int, list[Future[bytes | None]]] = {}  # rank -> GETs of its pieces under way
@@ -280,9 +282,13 @@ class VotedRound:
         entitled_since: float | None = None
         seen, announced = 0, set[int]()
         while True:
-            present = {q for q in ranks_in(io.list(self.prefix)) if 0 <= q < n} | set(self.entries)
-            for q in sorted(present - set(self.entries) - set(reading)):  # a vote without values is a control
-                reading[q] = io.get_async(self.keys[q], control=not whole_vote(self.me))  # object: own pool
+            listed = io.list_md5(self.prefix)
+            present = {q for q in ranks_in(list(listed)) if 0 <= q < n} | set(self.entries)
+            for q in sorted(present - set(self.entries) - set(reading)):
+                if self._as_expected(q, listed.get(self.keys[q])):
+                    self._add(Entry(q, marker=replace(self.me, rank=q)))
+                else:  # a vote without values is a control object: own pool
+                    reading[q] = io.get_async(self.keys[q], control=not whole_vote(self.me))
             if on_listed is not None and present - announced:
                 on_listed(present)
                 announced = present
@@ -320,6 +326,20 @@ class VotedRound:
                 sleep_s = min(sleep_s * 1.5, p.poll_interval_s)
 
     # ------------------------------------------------------------------ helpers
+
+    def _as_expected(self, rank: int, md5: str | None) -> bool:
+        """Whether the listing shows that ``rank``'s vote key holds exactly the vote we expect of it (our
+        own but for the rank; MAC'd with the run key): then it need not be read. The MD5 comes from the
+        listing (S3's ETag, GCS's md5Hash; see ``ObjectStore.list_md5``); anything else (a tombstone, a
+        vote that disagrees, a foreign object, a store that shows no MD5) is read and checked as always.
+        Matching a given MD5 with other bytes needs a second preimage, which nobody can compute."""
+        if md5 is None or whole_vote(self.me):
+            return False
+        expected = self._expected_md5.get(rank)
+        if expected is None:
+            blob = vote(replace(self.me, rank=rank), self.p.run_key)
+            expected = self._expected_md5[rank] = hashlib.md5(blob, usedforsecurity=False).hexdigest()
+        return md5 == expected
 
     def _take(self, reading: dict[int, Future[bytes | None]], *, wait: bool) -> None:
         """Move the finished reads (all of them with ``wait``) from ``reading`` into ``entries``."""

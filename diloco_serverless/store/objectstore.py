@@ -38,6 +38,8 @@ Credentials never come from code: standard environment variables (``AWS_*``,
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import builtins
 import copy
 import json
@@ -96,6 +98,24 @@ _RANGED = ("s3", "gs")
 #: Folder (under a GCS store's root) of the temporary parts of composite uploads (store/_gcs.py).
 UPLOADS_PREFIX = ".uploads"
 _S3_POOL_CONNECTIONS = 64
+
+
+_MD5_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def _s3_md5(info: dict[str, Any]) -> str | None:
+    """The MD5 an S3 listing entry's ETag is (an object from one PUT, not SSE-KMS), else ``None``."""
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
+    return etag if _MD5_RE.fullmatch(etag) else None
+
+
+def _gcs_md5(item: dict[str, Any]) -> str | None:
+    """The MD5 of a GCS listing entry (``md5Hash``, base64), else ``None`` (a composite object has none)."""
+    try:
+        raw = base64.b64decode(str(item.get("md5Hash") or ""), validate=True)
+    except (ValueError, binascii.Error):
+        return None
+    return raw.hex() if len(raw) == 16 else None
 
 
 def _check_limit(max_bytes: int | None) -> int | None:
@@ -606,24 +626,34 @@ class ObjectStore:
     def list(self, prefix: str = "") -> list[str]:
         """All object keys under the folder ``prefix`` ('' = the whole store), recursively,
         relative to the store root, sorted. ``[]`` if there are none."""
+        return sorted(self._list(prefix, detail=False))
+
+    def list_md5(self, prefix: str = "") -> dict[str, str | None]:
+        """:meth:`list` with each object's MD5 (32 lower-case hex digits) where the listing tells it, with
+        the same requests: S3's ETag of an object written by one PUT (an ETag that is not an MD5, as with
+        SSE-KMS or multipart uploads, gives ``None``), GCS's ``md5Hash``; ``None`` on local and memory
+        stores."""
+        return self._list(prefix, detail=True)
+
+    def _list(self, prefix: str, *, detail: bool) -> dict[str, str | None]:
         prefix = _check_key(prefix, allow_empty=True)
         path = self._path(prefix)
 
-        def attempt(remaining: float) -> builtins.list[str]:
+        def attempt(remaining: float) -> dict[str, str | None]:
             if self.protocol == "file":
-                return _local_find(path)
+                return dict.fromkeys(_local_find(path))
             if hasattr(self.fs, "invalidate_cache"):
                 self.fs.invalidate_cache(path)
             try:
-                return self._find(path, remaining)
+                return self._find(path, remaining, detail=detail)
             except FileNotFoundError:
-                return []
+                return {}
 
         paths = self._run("list", prefix, attempt)
-        keys = (self._rel(p) for p in paths if not store_local.is_temp_name(p))
-        return sorted(k for k in keys if k)
+        keys = {self._rel(p): md5 for p, md5 in paths.items() if not store_local.is_temp_name(p)}
+        return {k: keys[k] for k in sorted(keys) if k}
 
-    def _find(self, path: str, remaining: float) -> builtins.list[str]:
+    def _find(self, path: str, remaining: float, *, detail: bool = False) -> dict[str, str | None]:
         """Every object path under the folder ``path``, in one listing request per page.
 
         fsspec's ``find`` treats an empty listing as "maybe ``path`` is a file": s3fs then sends a HEAD
@@ -634,15 +664,19 @@ class ObjectStore:
         """
         if self.protocol == "gs":
             items, _ = self._fs_call("do_list_objects", path, delimiter="", timeout_s=remaining, hedged=True)
-            names = (str(o["name"]) for o in items)
-            return [n for n in names if not n.endswith("/")]  # a console's "folder" placeholder is no object
+            # a console's "folder" placeholder is no object
+            return {str(o["name"]): _gcs_md5(o) if detail else None for o in items if not str(o["name"]).endswith("/")}
         if self.protocol == "memory":  # fsspec's find iterates its dict while other threads write to it
             folder = "/" + path.strip("/") + "/"
-            return sorted(k for k in list(self._fs.store) if k.startswith(folder))
+            return dict.fromkeys(sorted(k for k in list(self._fs.store) if k.startswith(folder)))
         parent, _, name = path.rstrip("/").rpartition("/")
         if self.protocol == "s3" and parent:
-            return list(self._fs_call("find", parent, prefix=f"{name}/", timeout_s=remaining, hedged=True))
-        return list(self._fs_call("find", path, timeout_s=remaining, hedged=True))
+            found = self._fs_call("find", parent, prefix=f"{name}/", detail=detail, timeout_s=remaining, hedged=True)
+        else:
+            found = self._fs_call("find", path, detail=detail, timeout_s=remaining, hedged=True)
+        if not detail:
+            return dict.fromkeys(found)
+        return {p: _s3_md5(info) for p, info in found.items()}
 
     def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         """The immediate child "folders" of ``prefix`` ('' = the store root), NOT recursive:

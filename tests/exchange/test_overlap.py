@@ -103,6 +103,15 @@ def test_early_fetch_hands_nothing_after_stop() -> None:
     assert handed == [{"a"}]
 
 
+def test_early_fetch_gives_up_after_polls_that_find_nothing_new() -> None:
+    listings = iter([{"a"}] + [{"a"}] * 3 + [{"a", "b"}] + [{"a", "b"}] * 50)
+    early = EarlyFetch(lambda: next(listings), lambda keys: None, expected={"a", "b", "c"}, poll_interval_s=0.01,
+                       idle_polls=4)
+    early.start().join(5)
+    assert early.seen == {"a", "b"}  # "b", after three polls with nothing new, starts the count again
+    assert early.polls == 5 + 4  # then four fruitless polls, and no more while "c" (a straggler) is missing
+
+
 def test_a_failed_listing_ends_the_early_fetch_quietly() -> None:
     def look() -> set[str]:
         raise OSError("listing refused")
@@ -296,3 +305,4 @@ def test_a_damaged_piece_left_by_a_dead_write_is_replaced_and_read_again() -> No
     assert_identical(outs)
     torch.testing.assert_close(outs[0][0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
     assert reader.keys("GET").count(damaged) >= 1
+

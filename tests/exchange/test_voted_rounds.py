@@ -29,6 +29,7 @@ from diloco_serverless.exchange.votes import EXCLUDED, VotedRound, quorumless
 from diloco_serverless.run.layout import contrib_key, quorum_key, ready_prefix, vote_key
 from diloco_serverless.store.objectstore import ObjectStore
 from support.allreduce import FAST, DiesAfterReady, WithQuorum, assert_identical, randn, run_replicas
+from support.recording_store import RecordingStore
 
 DIRECT: dict[str, Any] = {"topology": "direct"}
 
@@ -337,3 +338,38 @@ def test_a_flat_vote_without_a_share_writer_is_refused_before_anything_is_writte
     with pytest.raises(ValueError, match="flat round without a quorum needs put_share"):
         VotedRound(ar._io, me, ar._wait(time.monotonic() + 5)).publish(_ints(50, 0), None, fresh=True)
     assert not _store(url).list("rounds")
+
+
+def test_votes_are_checked_from_the_listing_on_s3(s3_store_url: str, s3_storage_options: dict[str, Any]) -> None:
+    """On S3 a listing shows each object's MD5 (its ETag): a replica computes the vote each peer must have
+    written (its own but for the rank, MAC'd with the run key) and reads none of them, one round trip
+    less before the reduce."""
+    stores = {r: RecordingStore(s3_store_url, s3_storage_options) for r in range(3)}
+    xs = {r: randn(3_001, r) for r in range(3)}
+
+    def factory(u: str, rank: int, n: int, **opts: Any) -> ObjectStoreAllReduce:
+        return ObjectStoreAllReduce(stores[rank], rank, n, run_key=b"k" * 32, **opts)
+
+    outs, errors, stats = run_replicas(s3_store_url, xs, 3, make=factory, topology="flat")
+    assert not errors, errors
+    assert_identical(outs)
+    torch.testing.assert_close(outs[0][0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
+    assert all(s.participants == [0, 1, 2] for s in stats.values())
+    # (a replica's first round reads its own vote key before it publishes: a restarted one may have voted)
+    read = {r: store.keys("GET", contains="/votes/") for r, store in stores.items()}
+    assert read == {r: [vote_key(0, r)] for r in stores}
+
+
+def test_a_vote_that_differs_is_still_read_on_s3(s3_store_url: str, s3_storage_options: dict[str, Any]) -> None:
+    """A vote whose MD5 is not the expected one (here rank 2 averages another codec) is read and refused
+    as before: every replica raises the mismatch, naming it."""
+    stores = {r: RecordingStore(s3_store_url, s3_storage_options) for r in range(3)}
+    xs = {r: randn(3_001, r) for r in range(3)}
+
+    def factory(u: str, rank: int, n: int, **opts: Any) -> ObjectStoreAllReduce:
+        return ObjectStoreAllReduce(stores[rank], rank, n, codec="bf16" if rank == 2 else "fp32", **opts)
+
+    _, errors, _ = run_replicas(s3_store_url, xs, 3, make=factory, topology="flat", timeout_s=10.0)
+    assert sorted(errors) == [0, 1, 2]
+    assert all(isinstance(e, MismatchError) and "bf16" in str(e) for e in errors.values()), errors
+    assert stores[0].keys("GET", contains="votes/rank-2")

@@ -6,6 +6,7 @@ Run: python -m pytest -q tests/test_store_backends.py
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -335,3 +336,34 @@ def test_a_lost_create_response_resent_below_us_still_reads_as_ours(
     finally:
         del store.fs._pipe_file
     assert store.get("final/LOCK.json") == b'{"rank": 1, "attempt": 0}'
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs", "file", "memory"])
+def test_a_listing_tells_each_objects_md5_where_the_store_does(backend: str, request: pytest.FixtureRequest) -> None:
+    """``list_md5`` is ``list`` with S3's ETag / GCS's md5Hash as an MD5: what lets a replica check a vote
+    from a listing without reading it. Stores that show none (local, memory) give None, never a guess."""
+    if backend in ("s3", "gcs"):
+        store = ObjectStore(request.getfixturevalue(f"{backend}_store_url"),
+                            request.getfixturevalue(f"{backend}_storage_options"), retry=FAST)
+    elif backend == "file":
+        store = ObjectStore(request.getfixturevalue("file_store_url"))
+    else:
+        store = ObjectStore(f"memory://md5-{os.urandom(4).hex()}")
+    blobs = {"r/votes/rank-0": b"vote zero", "r/votes/rank-1": b"another vote", "r/other/x": b"elsewhere"}
+    for key, data in blobs.items():
+        store.put(key, data)
+    listed = store.list_md5("r/votes")
+    assert sorted(listed) == store.list("r/votes") == ["r/votes/rank-0", "r/votes/rank-1"]
+    if backend in ("s3", "gcs"):
+        assert listed == {k: hashlib.md5(blobs[k]).hexdigest() for k in listed}
+    else:
+        assert set(listed.values()) == {None}
+
+
+def test_an_s3_etag_that_is_no_md5_is_not_taken_for_one() -> None:
+    """A multipart upload's ETag (``<md5 of md5s>-<parts>``) or an SSE-KMS one is not the object's MD5."""
+    assert objectstore_module._s3_md5({"ETag": '"9b2cf535f27731c974343645a3985328-3"'}) is None
+    md5 = "9b2cf535f27731c974343645a3985328"
+    assert objectstore_module._s3_md5({"ETag": f'"{md5.upper()}"'}) == md5
+    assert objectstore_module._gcs_md5({"md5Hash": "not base64!"}) is None
+    assert objectstore_module._gcs_md5({}) is None

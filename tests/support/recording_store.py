@@ -17,8 +17,8 @@ class RecordingStore(ObjectStore):
     ``child()``, ``with_retry()`` and ``with_transfer()`` build a plain :class:`ObjectStore` sharing this
     one's ``__dict__``; they are turned back into recorders that share the one log."""
 
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().__init__(url, storage_options, **kw)
         self.requests: list[tuple[str, str]] = []
         self._log_lock = threading.Lock()
 
@@ -64,6 +64,11 @@ class RecordingStore(ObjectStore):
     def list(self, prefix: str = "") -> list[str]:
         out = super().list(prefix)
         self._record("LIST", prefix, max(1, math.ceil(len(out) / 1000)))  # one request per 1,000-key page
+        return out
+
+    def list_md5(self, prefix: str = "") -> dict[str, str | None]:
+        out = super().list_md5(prefix)
+        self._record("LIST", prefix, max(1, math.ceil(len(out) / 1000)))
         return out
 
     def exists(self, key: str) -> bool:
