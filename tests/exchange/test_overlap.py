@@ -121,83 +121,16 @@ def test_a_failed_listing_ends_the_early_fetch_quietly() -> None:
     assert not early._thread.is_alive() and handed == [] and early.polls == 0
 
 
-class HoldsOneWrite(RecordingStore):
-    """Rank 0's store: its write of ``held`` waits (up to 10 s) until it has started a GET of a key that
-    ``wanted`` accepts, and records whether it saw one in time."""
-
-    def __init__(self, url: str, held: str, wanted: Callable[[str], bool]) -> None:
-        super().__init__(url)
-        self.held, self.wanted, self.fetched = held, wanted, threading.Event()
-        self.in_time: list[bool] = []  # a list: the exchange's child stores share it
-
-    def _hold(self, key: str) -> None:
-        if key == self.held:
-            self.in_time.append(self.fetched.wait(10))
-
-    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        if self.wanted(key):
-            self.fetched.set()
-        return super().get(key, max_bytes=max_bytes)
-
-    def put(self, key: str, data: bytes) -> None:
-        self._hold(key)
-        super().put(key, data)
-
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        self._hold(key)
-        return super().put_if_absent(key, data)
-
-
-def _run_with(url: str, held: HoldsOneWrite, make: type[ObjectStoreAllReduce], **kw: Any) -> dict[int, RoundStats]:
-    """One flat round of 3 replicas, rank 0 on ``held``; checks the mean and that the held write was
-    released by the GET it waited for, not by its timeout."""
-    xs = {r: randn(3_001, r) for r in range(3)}
-
-    def factory(u: str, rank: int, n: int, **opts: Any) -> ObjectStoreAllReduce:
-        return make(held if rank == 0 else u, rank, n, **opts)
-
-    t = time.monotonic()
-    outs, errors, stats = run_replicas(url, xs, 3, make=factory, topology="flat", **kw)
-    assert not errors
-    assert held.in_time == [True], f"rank 0 made no GET wanted before its write of {held.held} was answered"
-    assert time.monotonic() - t < 9
-    assert_identical(outs)
-    torch.testing.assert_close(outs[0][0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
-    assert all(s.participants == [0, 1, 2] for s in stats.values())
-    return stats
-
-
-@pytest.mark.parametrize("make", [ObjectStoreAllReduce, WithQuorum], ids=["votes", "quorum"])
-def test_the_others_contributions_are_fetched_while_our_last_put_waits(make: type[ObjectStoreAllReduce]) -> None:
-    theirs, url = re.compile(r".*/contrib/\d+/rank-[12]"), f"memory://overlap-{uuid.uuid4().hex[:8]}"
-    held = HoldsOneWrite(url, contrib_key(0, 2, 0), lambda key: bool(theirs.fullmatch(key)))  # our piece of shard 2
-    _run_with(url, held, make)
-    # what rank 0 prefetched is what it sums for shard 0 (its own): read once, not again after the vote
-    for q in (1, 2):
-        assert held.keys("GET").count(contrib_key(0, 0, q)) == 1
-
-
-@pytest.mark.parametrize("make", [ObjectStoreAllReduce, WithQuorum], ids=["votes", "quorum"])
-def test_the_others_reduced_shards_are_fetched_while_our_reduced_put_waits(
-    make: type[ObjectStoreAllReduce],
-) -> None:
-    url = f"memory://overlap-{uuid.uuid4().hex[:8]}"
-    held = HoldsOneWrite(url, reduced_key(0, 0), lambda key: key in (reduced_key(0, 1), reduced_key(0, 2)))
-    stats = _run_with(url, held, make, takeover_timeout_s=30.0)  # nobody takes rank 0's shard over meanwhile
-    assert stats[0].reduced_shards == [0] and not stats[0].takeovers
-    assert held.keys("PUT").count(reduced_key(0, 0)) == 1
-
-
 class HeldUntil(RecordingStore):
     """A replica's store whose writes of keys ``held`` accepts wait (up to 10 s) for ``until``; its GETs of
-    keys ``signals`` accepts set ``signal``. Two of them with swapped events tie one replica's write to
-    another's read."""
+    keys ``signals`` accepts set ``signal``. With one event for both, a replica's write waits for its own
+    read; with two stores and swapped events, one replica's write waits for another's read."""
 
     def __init__(self, url: str, held: Callable[[str], bool], until: threading.Event,
                  signals: Callable[[str], bool], signal: threading.Event) -> None:
         super().__init__(url)
         self.held, self.until, self.signals, self.signal = held, until, signals, signal
-        self.in_time: list[bool] = []
+        self.in_time: list[bool] = []  # a list: the exchange's child stores share it
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         if self.signals(key):
@@ -215,6 +148,52 @@ class HeldUntil(RecordingStore):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         self._hold(key)
         return super().put_if_absent(key, data)
+
+
+def holds_one_write(url: str, held: str, wanted: Callable[[str], bool]) -> HeldUntil:
+    """Rank 0's store: its write of ``held`` waits until it has started a GET of a key ``wanted`` accepts."""
+    fetched = threading.Event()
+    return HeldUntil(url, lambda key: key == held, fetched, wanted, fetched)
+
+
+def _run_with(url: str, held: HeldUntil, make: type[ObjectStoreAllReduce], **kw: Any) -> dict[int, RoundStats]:
+    """One flat round of 3 replicas, rank 0 on ``held``; checks the mean and that the held write was
+    released by the GET it waited for, not by its timeout."""
+    xs = {r: randn(3_001, r) for r in range(3)}
+
+    def factory(u: str, rank: int, n: int, **opts: Any) -> ObjectStoreAllReduce:
+        return make(held if rank == 0 else u, rank, n, **opts)
+
+    t = time.monotonic()
+    outs, errors, stats = run_replicas(url, xs, 3, make=factory, topology="flat", **kw)
+    assert not errors
+    assert held.in_time == [True], "rank 0 made no GET wanted before its held write was answered"
+    assert time.monotonic() - t < 9
+    assert_identical(outs)
+    torch.testing.assert_close(outs[0][0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
+    assert all(s.participants == [0, 1, 2] for s in stats.values())
+    return stats
+
+
+@pytest.mark.parametrize("make", [ObjectStoreAllReduce, WithQuorum], ids=["votes", "quorum"])
+def test_the_others_contributions_are_fetched_while_our_last_put_waits(make: type[ObjectStoreAllReduce]) -> None:
+    theirs, url = re.compile(r".*/contrib/\d+/rank-[12]"), f"memory://overlap-{uuid.uuid4().hex[:8]}"
+    held = holds_one_write(url, contrib_key(0, 2, 0), lambda key: bool(theirs.fullmatch(key)))  # our piece of shard 2
+    _run_with(url, held, make)
+    # what rank 0 prefetched is what it sums for shard 0 (its own): read once, not again after the vote
+    for q in (1, 2):
+        assert held.keys("GET").count(contrib_key(0, 0, q)) == 1
+
+
+@pytest.mark.parametrize("make", [ObjectStoreAllReduce, WithQuorum], ids=["votes", "quorum"])
+def test_the_others_reduced_shards_are_fetched_while_our_reduced_put_waits(
+    make: type[ObjectStoreAllReduce],
+) -> None:
+    url = f"memory://overlap-{uuid.uuid4().hex[:8]}"
+    held = holds_one_write(url, reduced_key(0, 0), lambda key: key in (reduced_key(0, 1), reduced_key(0, 2)))
+    stats = _run_with(url, held, make, takeover_timeout_s=30.0)  # nobody takes rank 0's shard over meanwhile
+    assert stats[0].reduced_shards == [0] and not stats[0].takeovers
+    assert held.keys("PUT").count(reduced_key(0, 0)) == 1
 
 
 @pytest.mark.parametrize("make", [ObjectStoreAllReduce, WithQuorum], ids=["votes", "quorum"])
