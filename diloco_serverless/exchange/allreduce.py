@@ -3,7 +3,7 @@
 The replicas share nothing but a bucket (S3, GCS, a local folder). One call is one round
 (docs/architecture.md, "The exchange protocol"): the flat tensor is cut into S = world_size fixed shards
 (times ``split`` when a shard would exceed the store's part size: :func:`.topology.split_for`); each replica
-PUTs its S contribution objects then a ``ready`` marker; a create-only ``quorum.json`` fixes the
+PUTs its S contribution objects (create-only) then a ``ready`` marker; a create-only ``quorum.json`` fixes the
 participants Q (all N, or at least ``min_replicas`` after the straggler deadline); shard j is
 reduced by ``Q[j mod |Q|]``, which sums the participants' decoded shards in rank order in fp32,
 divides by |Q| and PUTs ``reduced/j`` create-only; everyone GETs the reduced shards. Per replica
@@ -471,10 +471,11 @@ class ObjectStoreAllReduce:
         return own
 
     def _ready_lister(self, rs: _Round) -> Callable[[], set[int]] | None:
-        """One listing of the ranks whose ready markers exist, for a replica that lists them anyway (all up
-        to 16, ranks 0-15 above: :func:`~diloco_serverless.exchange.quorum.copy_to_read`); else ``None``."""
+        """One listing of the ranks whose ready markers exist, for a replica above 16 that lists them anyway
+        (ranks 0-15: :func:`~diloco_serverless.exchange.quorum.copy_to_read`); else ``None`` (up to 16,
+        :class:`~diloco_serverless.exchange.overlap.EarlyFetch` finds the contributions themselves)."""
         io = self._io
-        if io is None or copy_to_read(rs.me) is not None:
+        if io is None or self._spread == 1 or copy_to_read(rs.me) is not None:
             return None
         return lambda: set(markers_in(list_ready(io, rs.r, self.world_size)))
 

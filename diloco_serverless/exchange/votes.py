@@ -14,7 +14,8 @@ one of:
   abstained (written by q itself: its values were not finite), or it had not contributed when another
   replica's straggler deadline passed with at least ``min_replicas`` contributions (written by that replica).
 
-Whichever create comes first wins, so every replica that lists N keys reads the same N objects, and the
+Whichever create comes first wins, so every replica that lists N keys sees the same N objects (it reads
+each, or checks it from the MD5 the listing shows: ``VotedRound._as_expected``), and the
 participants are the ranks holding a vote: the same participant list everywhere, as a quorum gives,
 without waiting for a quorum to be written and read (two to three sequential round trips fewer;
 docs/exchange.md, "Rounds without a quorum"). A direct round then sums the participants' contributions
@@ -22,7 +23,8 @@ in rank order on every replica; a flat round hands the participants to the usual
 (create-only reduced shards, takeover of a dead owner's shard). A replica that finds a tombstone where
 its vote should go is late: it receives the mean of the others. A restarted replica that finds its own
 earlier vote there takes part with what it stored then (with contributions in several objects, it checks
-for its vote before rewriting any). A dead replica's stored contribution is all anyone needs of it.
+for its vote before rewriting any; a flat round's shards are create-only, so it keeps those it wrote).
+A dead replica's stored contribution is all anyone needs of it.
 """
 
 from __future__ import annotations
