@@ -23,6 +23,7 @@ the same create-only ``reduced`` objects. Failures raise :class:`ExchangeError` 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -109,6 +110,9 @@ log = logging.getLogger(__name__)
 _GATHER_BATCH_BYTES = 512 << 20  # fp32 bytes of reduced shards downloaded concurrently
 _LIST_PAGE_KEYS = 1_000  # keys in one listing request (S3 ListObjectsV2, GCS objects.list)
 _EARLY_IDLE_POLLS = 8  # EarlyFetch gives up after this many polls in a row without a new contribution
+#: Contribution objects encoded at once: one per core, so that the first ones go up while the rest are
+#: encoded (all S at once would finish together and leave the link idle until then).
+_ENCODE_AT_ONCE = max(1, os.cpu_count() or 1)
 
 
 @dataclass
@@ -482,17 +486,22 @@ class ObjectStoreAllReduce:
     def _put_contributions(
         self, rs: _Round, flat: torch.Tensor, look: Callable[[], set[int]] | None = None
     ) -> list[torch.Tensor]:
-        """PUT our S contribution objects concurrently; return what others will decode. With ``look``
+        """PUT our S contribution objects concurrently, each as soon as it is encoded (``_ENCODE_AT_ONCE``
+        encodings at a time); return what others will decode. With ``look``
         (one listing: the ranks whose contributions are complete), start prefetching theirs once half
         of ours are answered (:func:`~diloco_serverless.exchange.overlap.wait_prefetching`)."""
         io = self._io
         assert io is not None
 
+        encoding = threading.BoundedSemaphore(_ENCODE_AT_ONCE)
+
         def one(j: int) -> torch.Tensor:
             a, b = rs.bounds[j]
-            enc = encode_values(flat[a:b], self.codec)
             header = piece_header(rs.me, j, (a, b))
-            key, data = contrib_key(rs.r, j, self.rank, self._spread), pack(enc, asdict(header), self._run_key)
+            key = contrib_key(rs.r, j, self.rank, self._spread)
+            with encoding:
+                enc = encode_values(flat[a:b], self.codec)
+                data = pack(enc, asdict(header), self._run_key)
             stored = self._write_piece(key, data, header)
             return decode_values(enc, self.codec, b - a) if stored is None else stored
 

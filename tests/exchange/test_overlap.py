@@ -285,3 +285,56 @@ def test_a_damaged_piece_left_by_a_dead_write_is_replaced_and_read_again() -> No
     torch.testing.assert_close(outs[0][0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
     assert reader.keys("GET").count(damaged) >= 1
 
+
+
+class _TimesPieces(RecordingStore):
+    """Records when each of rank 0's contribution writes starts."""
+
+    def __init__(self, url: str, log: list[tuple[str, int, float]]) -> None:
+        super().__init__(url)
+        self.log = log
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if re.fullmatch(r".*/contrib/\d+/rank-0", key):
+            self.log.append(("put", int(key.split("/")[-2]), time.monotonic()))
+        return super().put_if_absent(key, data)
+
+
+def test_contributions_go_up_as_they_are_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one encoding at a time, our first piece is written while the others are still being encoded,
+    not after all of them (which would leave the link idle for the whole encode)."""
+    import diloco_serverless.exchange.allreduce as allreduce
+
+    log: list[tuple[str, int, float]] = []
+    running: list[int] = []
+    real_pack = allreduce.pack
+
+    def slow_pack(tensors: Any, header: Any, run_key: bytes | None = None) -> bytes:
+        ours = header.get("kind") == "contrib" and header.get("rank") == 0
+        if ours:
+            running.append(1)
+            log.append(("encode", len(running), time.monotonic()))
+            time.sleep(0.15)
+        try:
+            return real_pack(tensors, header, run_key)
+        finally:
+            if ours:
+                running.pop()
+
+    monkeypatch.setattr(allreduce, "_ENCODE_AT_ONCE", 1)
+    monkeypatch.setattr(allreduce, "pack", slow_pack)
+    url = f"memory://encode-{uuid.uuid4().hex[:8]}"
+    store = _TimesPieces(url, log)
+    xs = {r: randn(3_001, r) for r in range(3)}
+
+    def factory(u: str, rank: int, n: int, **opts: Any) -> ObjectStoreAllReduce:
+        return ObjectStoreAllReduce(store if rank == 0 else u, rank, n, **opts)
+
+    outs, errors, _ = run_replicas(url, xs, 3, make=factory, topology="flat")
+    assert not errors, errors
+    torch.testing.assert_close(outs[0][0], torch.stack(list(xs.values())).mean(0), atol=1e-6, rtol=0)
+    encodes = [t for kind, _, t in log if kind == "encode"]
+    puts = [t for kind, _, t in log if kind == "put"]
+    assert len(encodes) == len(puts) == 3
+    assert max(n for kind, n, _ in log if kind == "encode") == 1, "more than one piece was encoded at once"
+    assert min(puts) < max(encodes), "no piece went up before the last one was encoded"
