@@ -161,20 +161,21 @@ def proc_io() -> tuple[int, int]:
 # --------------------------------------------------------------------------- replicas
 
 
-def naive_allreduce(store: Any, rank: int, n: int, prefix: str, x: torch.Tensor, codec: str) -> torch.Tensor:
+def naive_allreduce(store: Any, rank: int, n: int, prefix: str, x: torch.Tensor, codec: str,
+                    poll_interval_s: float) -> torch.Tensor:
     """The seed's exchange: PUT the whole tensor, GET all N, average in rank order (fp32)."""
     from diloco_serverless.exchange._io import CountingStore
     from diloco_serverless.exchange.codec import decode_values, encode_values, pack, unpack
+    from diloco_serverless.exchange.polling import Backoff
 
     fetch = CountingStore(store)  # same concurrent single-GET fetcher as the sharded exchange
 
     enc = encode_values(x, codec)
     store.put(f"{prefix}/rank-{rank}", pack(enc, {"rank": rank}))
     keys = [f"{prefix}/rank-{r}" for r in range(n)]
-    sleep_s = 0.02  # same polling schedule as the exchange
+    backoff = Backoff(poll_interval_s)  # same polling schedule as the exchange
     while len(set(store.list(prefix)) & set(keys)) < n:
-        time.sleep(sleep_s)
-        sleep_s = min(sleep_s * 1.5, 0.5)
+        time.sleep(backoff.next())
     per_batch = max(1, (256 * MB) // max(1, int(x.numel() * CODEC_BYTES[codec])))
     others = [r for r in range(n) if r != rank]
     decoded: dict[int, torch.Tensor] = {rank: decode_values(enc, codec, x.numel())}
@@ -194,13 +195,18 @@ def naive_allreduce(store: Any, rank: int, n: int, prefix: str, x: torch.Tensor,
 def replica_main(
     rank: int, n: int, url: str, options: dict[str, Any], cases: list[Case], barrier: Any, queue: Any,
     part: tuple[float, int] | None = None,
+    polls: tuple[float, float] = (0.02, 0.2),
 ) -> None:
-    """One replica process: runs every case in lockstep with the others (barriers)."""
+    """One replica process: runs every case in lockstep with the others (barriers). ``polls``: the
+    exchange's first and longest sleep between polls (see ``--polls``)."""
+    import diloco_serverless.exchange.polling as polling
     from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
     from diloco_serverless.store.objectstore import ObjectStore
     from diloco_serverless.store.retry import RetryPolicy
 
     torch.set_num_threads(1)
+    polling.FIRST_POLL_S, poll_interval_s = polls  # this process's exchanges (and the naive method) only
+    polling.WAITED_SHARE = float(os.environ.get("BENCH_WAITED_SHARE", polling.WAITED_SHARE))
     if os.environ.get("BENCH_SPLIT") == "off":  # A/B: multipart shards (S = N) instead of part-sized ones
         import diloco_serverless.exchange.allreduce as exchange_module
 
@@ -220,7 +226,7 @@ def replica_main(
     # One untimed small exchange before the first case (the parent resets its counters after it): both
     # methods then start with open connections and the hedge's latency history. Without it the first case,
     # always a sharded one, was the only cold one.
-    naive_allreduce(store, rank, n, "bench-warmup", torch.zeros(1024), "fp32")
+    naive_allreduce(store, rank, n, "bench-warmup", torch.zeros(1024), "fp32", poll_interval_s)
     for i, case in enumerate(cases):
         x = torch.randn(case.p_mb * MB // 4, generator=torch.Generator().manual_seed(1000 * case.p_mb + rank))
         ar = ObjectStoreAllReduce(
@@ -233,7 +239,7 @@ def replica_main(
             timeout_s=900.0,
             straggler_timeout_s=600.0,
             takeover_timeout_s=600.0,
-            poll_interval_s=0.2,
+            poll_interval_s=poll_interval_s,
             topology=os.environ.get("BENCH_TOPOLOGY", "flat"),
         )
         if case.method == "sharded" and os.environ.get("BENCH_ROUND", "steady") == "steady":
@@ -248,7 +254,7 @@ def replica_main(
         if case.method == "sharded":
             y = ar.allreduce(x)
         else:
-            y = naive_allreduce(store, rank, n, f"bench-{i}/naive", x, case.codec)
+            y = naive_allreduce(store, rank, n, f"bench-{i}/naive", x, case.codec, poll_interval_s)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         io1 = proc_io()
         stats = asdict(ar.last_stats) if (case.method == "sharded" and ar.last_stats) else {}
@@ -285,11 +291,13 @@ def run_group(
     counter: CountingWSGI | None,
     cleanup: Any,
     part: tuple[float, int] | None = None,
+    polls: tuple[float, float] = (0.02, 0.2),
 ) -> list[dict[str, Any]]:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "s3fs", "diloco_serverless.exchange.allreduce", "diloco_serverless.store"])
     barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
-    procs = [ctx.Process(target=replica_main, args=(r, n, url, options, cases, barrier, queue, part)) for r in range(n)]
+    procs = [ctx.Process(target=replica_main, args=(r, n, url, options, cases, barrier, queue, part, polls))
+             for r in range(n)]
     for p in procs:
         p.start()
     rows = []
@@ -445,6 +453,14 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def poll_schedule(polls: str, scale: float) -> tuple[float, float]:
+    """(first, longest) sleep between a replica's polls for ``--polls`` on a store slowed by ``scale``."""
+    from diloco_serverless.config import POLL_INTERVAL_S
+    from diloco_serverless.exchange.polling import FIRST_POLL_S
+
+    return (FIRST_POLL_S / scale, POLL_INTERVAL_S / scale) if polls == "real" else (0.02, 0.2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="subset: P=16 MB, fp32+int8, N in {4,8}")
@@ -478,6 +494,14 @@ def main() -> int:
     ap.add_argument("--trace", default=None, metavar="PATH",
                     help="write every request the emulator served (client, method, key, arrival, body in, "
                          "answer, body out; monotonic seconds) to this JSON file, for a round's timeline")
+    ap.add_argument("--polls", choices=("real", "fast"), default="real",
+                    help="the replicas' sleeps between polls: 'real' (default) the exchange's defaults (first "
+                         "20 ms, longest 0.5 s) divided by --scale on an emulated store, as its latencies are, so "
+                         "a poll costs what it would on the real store; 'fast' 20 ms to 0.2 s, not scaled (the "
+                         "setting of the measurements before 2026-12-03's last stop)")
+    ap.add_argument("--waited-share", type=float, default=None,
+                    help="A/B: a sleep between polls is at most this share of the time waited (default: the "
+                         "exchange's, 0.1); 'inf' leaves growth alone, the schedule before 2026-12-03's last stop")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
     if args.hedge not in ("default", "off"):
@@ -495,6 +519,8 @@ def main() -> int:
     os.environ["BENCH_TOPOLOGY"] = args.topology
     os.environ["BENCH_HEDGE"] = args.hedge
     os.environ["BENCH_ROUND"] = args.round
+    if args.waited_share is not None:
+        os.environ["BENCH_WAITED_SHARE"] = str(args.waited_share)
     methods = tuple(m for m in args.methods.split(",") if m)
     if not methods or set(methods) - {"sharded", "naive"}:
         ap.error(f"--methods must name sharded and/or naive, got {args.methods!r}")
@@ -542,6 +568,7 @@ def main() -> int:
             rows += run_group(
                 backend, n, [c for c in cases if c.backend == backend and c.n == n], url, options, counter, cleanup,
                 (args.part_size_mb, args.part_concurrency) if args.part_size_mb else None,
+                poll_schedule(args.polls, args.scale if backend in PRESETS else 1.0),
             )
     for emu in emulators:
         emu.stop()
@@ -571,6 +598,8 @@ def main() -> int:
         "topology": args.topology,
         "hedge": args.hedge,
         "round": args.round,
+        "polls": args.polls,
+        "waited_share": args.waited_share,
         "presets": {name: PRESETS[name].to_json() for name in dict.fromkeys(args.preset)},
         "replicas": "processes (forkserver), one per replica",
         "rows": rows,

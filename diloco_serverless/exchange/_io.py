@@ -46,7 +46,6 @@ from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FIRST_POLL_S = 0.02  # first sleep of a polling loop; it then grows 1.5x per empty poll up to poll_interval_s
 _RANK_RE = re.compile(r"rank-(\d+)(?:\.([0-9a-f]+))?$")
 _SHARD_RE = re.compile(r"/(\d{4,})$")
 _ROUND = rf"{re.escape(ROUNDS_PREFIX)}/(\d{{8,}})"

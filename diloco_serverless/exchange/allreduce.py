@@ -41,9 +41,6 @@ from diloco_serverless.config import (
 )
 from diloco_serverless.errors import ExchangeError, StoreError
 from diloco_serverless.exchange._io import (
-    FIRST_POLL_S as _FIRST_POLL_S,
-)
-from diloco_serverless.exchange._io import (
     CountingStore,
     markers_in,
     shard_bounds,
@@ -66,6 +63,7 @@ from diloco_serverless.exchange.errors import (
 from diloco_serverless.exchange.gather import ReducedShards
 from diloco_serverless.exchange.hierarchical import HierarchicalRound
 from diloco_serverless.exchange.overlap import EarlyFetch, wait_half, wait_prefetching
+from diloco_serverless.exchange.polling import Backoff
 from diloco_serverless.exchange.quorum import (
     Quorum,
     QuorumWait,
@@ -170,7 +168,7 @@ class ObjectStoreAllReduce:
         keep_rounds: rounds kept in the store (older ones are deleted); ``None`` keeps all (use ``prune``).
         run_key: the run's secret key (diloco_serverless.run.integrity): every object this replica writes
             carries an HMAC under it, and objects read without a valid one are refused as corrupt.
-        poll_interval_s: longest sleep between polls (polling starts at 20 ms and backs off 1.5x).
+        poll_interval_s: longest sleep between polls (polling starts at 20 ms and backs off: :mod:`.polling`).
         topology: ``flat``, ``hierarchical``, ``direct`` or ``auto`` (:func:`.topology.resolve` picks the
             protocol of each round from N and the tensor's size: ``direct``, whole tensors, at N = 2 and for
             small tensors). Every replica must use the same.
@@ -589,7 +587,7 @@ class ObjectStoreAllReduce:
         if self._spread != 1:
             wait(list(reducing.values()))
         started: float | None = None  # when our own shards were done: the takeover clock starts there
-        sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
+        backoff = Backoff(self.poll_interval_s)
 
         def arrived(j: int, data: bytes) -> None:
             expect = self._reduced_header(rs.r, j, rs.bounds[j], ref)
@@ -605,7 +603,7 @@ class ObjectStoreAllReduce:
             if len(done) == shards:
                 break
             if fetch.poll({j for j in range(shards) if j not in done and j not in reducing}, arrived):
-                sleep_s = min(_FIRST_POLL_S, self.poll_interval_s)
+                backoff.reset()
                 continue
             now = time.monotonic()
             flying = fetch.in_flight()
@@ -620,10 +618,9 @@ class ObjectStoreAllReduce:
                 raise TimeoutError(
                     f"round {rs.r}: reduced shards never appeared (shard: owner rank) {owners}; check those replicas"
                 )
-            pause = min(sleep_s, max(0.0, rs.deadline - now))
+            pause = min(backoff.next(), max(0.0, rs.deadline - now))
             fetch.wait(pause, also=list(reducing.values()))
             rs.stats.wait_s += time.monotonic() - now
-            sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
         assert started is not None  # every own shard is placed before the last one is
         rs.stats.phases_s["gather"] = time.monotonic() - started
         return out

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from diloco_serverless.errors import ExchangeError
-from diloco_serverless.exchange._io import FIRST_POLL_S, CountingStore
+from diloco_serverless.exchange._io import CountingStore
 from diloco_serverless.exchange.codec import (
     ShardHeader,
     decode_shard,
@@ -50,6 +50,7 @@ from diloco_serverless.exchange.codec import (
     max_object_bytes,
     pack,
 )
+from diloco_serverless.exchange.polling import Backoff
 from diloco_serverless.exchange.quorum import Quorum, ReadyMarker
 from diloco_serverless.exchange.topology import branching, levels
 from diloco_serverless.exchange.votes import piece_header
@@ -225,7 +226,7 @@ class HierarchicalRound:
         objects (polling ONE missing object per poll, rotated by rank, and fetching all missing ones as
         soon as it appears; backing off); past the takeover timeout compute what is still missing;
         TimeoutError at the round deadline, naming the owners waited for."""
-        started, sleep_s = time.monotonic(), min(FIRST_POLL_S, self.poll_interval_s)
+        started, backoff = time.monotonic(), Backoff(self.poll_interval_s)
         missing = {i: node for i, node in nodes.items() if node not in self.have}
         probe = True  # the objects are usually being written right now: ask for one, not all
         original = False  # read copies of reduced shards until half the takeover timeout has passed
@@ -258,7 +259,6 @@ class HierarchicalRound:
             if now >= self.deadline:
                 owners = {i: self.owner(*node) for i, node in missing.items()}
                 raise TimeoutError(f"round {self.r}: {what} never appeared: {owners}; check those replicas")
-            pause = min(sleep_s, max(0.0, self.deadline - now))
+            pause = min(backoff.next(), max(0.0, self.deadline - now))
             time.sleep(pause)
             self.wait_s += pause
-            sleep_s = min(sleep_s * 1.5, self.poll_interval_s)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from typing import TypeVar
 
-from diloco_serverless.exchange._io import FIRST_POLL_S
+from diloco_serverless.exchange.polling import Backoff
 
 T = TypeVar("T")
 
@@ -48,8 +48,8 @@ class EarlyFetch:
     """Find the others' contribution objects as they appear and hand each to ``fetch`` once, on a thread
     of its own, until :meth:`stop` or until all ``expected`` keys were seen.
 
-    ``look`` is one poll (the listings of our shards' folders); polls back off from
-    :data:`~diloco_serverless.exchange._io.FIRST_POLL_S` to ``poll_interval_s`` and start again fast
+    ``look`` is one poll (the listings of our shards' folders); polls back off
+    (:class:`~diloco_serverless.exchange.polling.Backoff`) up to ``poll_interval_s`` and start again fast
     after progress. The watch also ends after ``idle_polls`` polls in a row without a new key (polls are
     paced by the store's own latency and the backoff, so this scales with the store): a replica that is
     far behind (a straggler, one that died) is not listed for all the time the round waits for it; its
@@ -80,7 +80,7 @@ class EarlyFetch:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        sleep_s = min(FIRST_POLL_S, self._poll_interval_s)
+        backoff = Backoff(self._poll_interval_s)
         idle = 0  # polls in a row that found nothing new
         while not self._stopped.is_set() and self.seen < self._expected and idle != self._idle_polls:
             try:
@@ -96,10 +96,11 @@ class EarlyFetch:
                         return
                     self.seen |= new
                     self._fetch(new)
-                sleep_s, idle = min(FIRST_POLL_S, self._poll_interval_s), 0
+                backoff.reset()
+                idle = 0
             else:
-                sleep_s, idle = min(sleep_s * 1.5, self._poll_interval_s), idle + 1
-            self._stopped.wait(sleep_s)
+                idle += 1
+            self._stopped.wait(backoff.next())
 
 
 def wait_prefetching(
@@ -111,23 +112,21 @@ def wait_prefetching(
     poll_interval_s: float,
 ) -> list[T]:
     """The results of ``futures`` (our PUTs), in order. Once half of them are done, call ``look`` (one
-    listing: the ranks whose contributions are complete) every poll, backing off from
-    :data:`~diloco_serverless.exchange._io.FIRST_POLL_S` to ``poll_interval_s``, and hand each new set
+    listing: the ranks whose contributions are complete) every poll, backing off
+    (:class:`~diloco_serverless.exchange.polling.Backoff`) up to ``poll_interval_s``, and hand each new set
     to ``on_ready``, until all ``futures`` are done or ``others`` ranks were seen. An exception of a PUT
     or of ``look`` propagates."""
     wait_half(futures)
     pending = {fut for fut in futures if not fut.done()}
-    sleep_s = min(FIRST_POLL_S, poll_interval_s)
+    backoff = Backoff(poll_interval_s)
     seen: set[int] = set()
     while pending and len(seen) < others:
         ready = look()
         if ready - seen:
             seen |= ready
             on_ready(set(seen))
-            sleep_s = min(FIRST_POLL_S, poll_interval_s)
-        else:
-            sleep_s = min(sleep_s * 1.5, poll_interval_s)
-        done, pending = wait(pending, timeout=sleep_s, return_when=ALL_COMPLETED)
+            backoff.reset()
+        done, pending = wait(pending, timeout=backoff.next(), return_when=ALL_COMPLETED)
         for fut in done:
             fut.result()
     return [fut.result() for fut in futures]

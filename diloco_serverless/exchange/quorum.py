@@ -39,7 +39,6 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from diloco_serverless.exchange._io import FIRST_POLL_S as _FIRST_POLL_S
 from diloco_serverless.exchange._io import CountingStore, json_bytes, markers_in
 from diloco_serverless.exchange.errors import (
     AbstainedError,
@@ -47,6 +46,7 @@ from diloco_serverless.exchange.errors import (
     MismatchError,
     RoundPrunedError,
 )
+from diloco_serverless.exchange.polling import Backoff
 from diloco_serverless.run.integrity import MAC_FIELD, mac_json, verify_json
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
@@ -439,7 +439,7 @@ def wait_for_quorum(
     fewer than ``min_replicas`` ready, and :class:`RoundPrunedError` if the run moved on.
     """
     started = time.monotonic()
-    sleep_s, last_skip_check, last_read = min(_FIRST_POLL_S, p.poll_interval_s), started - 1.0, started
+    backoff, last_skip_check, last_read = Backoff(p.poll_interval_s), started - 1.0, started
     copy = copy_to_read(me)
     # a reader lists first after one to two periods (spread over ranks), then every period
     every_s = reader_list_s(io, p) if copy is not None else 0.0
@@ -506,6 +506,6 @@ def wait_for_quorum(
             check_moved_on(io, me)
             last_skip_check = now
         if ready != seen:
-            seen, sleep_s = ready, min(_FIRST_POLL_S, p.poll_interval_s)
-        time.sleep(min(sleep_s, max(0.0, p.deadline - now)))
-        sleep_s = min(sleep_s * 1.5, p.poll_interval_s)
+            seen = ready
+            backoff.reset()
+        time.sleep(min(backoff.next(), max(0.0, p.deadline - now)))

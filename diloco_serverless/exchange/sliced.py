@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from diloco_serverless.exchange._io import FIRST_POLL_S, CountingStore, markers_in, ranks_in
+from diloco_serverless.exchange._io import CountingStore, markers_in, ranks_in
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce, _Round
+from diloco_serverless.exchange.polling import Backoff
 from diloco_serverless.exchange.quorum import (
     Fetched,
     Quorum,
@@ -97,7 +98,7 @@ class SlicedAllReduce(ObjectStoreAllReduce):
         if self.slice_index != 0:
             return
         waiting = set(range(1, self.slices))
-        sleep_s = min(FIRST_POLL_S, self.poll_interval_s)
+        backoff = Backoff(self.poll_interval_s)
         spread = control_spread(self.world_size)
         mine = ready_prefix(rs.r, self.rank % spread, spread)  # where this rank's markers are, in every slice
         io = self._io
@@ -115,8 +116,7 @@ class SlicedAllReduce(ObjectStoreAllReduce):
                     f"marker under {', '.join(slice_prefix(h) for h in sorted(waiting))}); check the replica's "
                     "other local processes"
                 )
-            time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
+            time.sleep(backoff.next())
 
     # ------------------------------------------------------------------ followers (slice > 0)
     def _join(self, rs: _Round, flat: torch.Tensor, *, fresh: bool = False) -> Quorum:
@@ -151,7 +151,7 @@ class SlicedAllReduce(ObjectStoreAllReduce):
         RoundPrunedError if the run moved past the round."""
         lead = self._slice_io[0]
         started, last_skip_check = time.monotonic(), 0.0
-        sleep_s = min(FIRST_POLL_S, self.poll_interval_s)
+        backoff = Backoff(self.poll_interval_s)
         while True:
             q = read_quorum(lead, run_id=self.run_id, round=rs.r, run_key=self._run_key)
             if q is not None:
@@ -165,15 +165,14 @@ class SlicedAllReduce(ObjectStoreAllReduce):
             if now - started >= self.straggler_timeout_s and now - last_skip_check >= 1.0:
                 check_moved_on(lead, rs.me)
                 last_skip_check = now
-            time.sleep(min(sleep_s, max(0.0, rs.deadline - now)))
-            sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
+            time.sleep(min(backoff.next(), max(0.0, rs.deadline - now)))
 
     def _wait_markers(self, rs: _Round, participants: list[int]) -> dict[int, ReadyMarker]:
         """This slice's ready markers of ``participants`` (each leader waited for them before its own)."""
         io = self._io
         assert io is not None
         markers: dict[int, ReadyMarker] = {}
-        sleep_s = min(FIRST_POLL_S, self.poll_interval_s)
+        backoff = Backoff(self.poll_interval_s)
         while True:
             listed = markers_in(list_ready(io, rs.r, self.world_size))
             here = {r for r in participants if r not in markers and r in listed}
@@ -190,5 +189,4 @@ class SlicedAllReduce(ObjectStoreAllReduce):
                     f"round {rs.r}: slice {self.slice_index} of ranks {missing} has no ready marker although "
                     "they are in the round's quorum; the store lost it or those replicas died — the round fails"
                 )
-            time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 1.5, self.poll_interval_s)
+            time.sleep(backoff.next())

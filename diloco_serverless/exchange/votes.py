@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from diloco_serverless.errors import ExchangeError
-from diloco_serverless.exchange._io import FIRST_POLL_S, CountingStore, RoundLayout, ranks_in, shard_bounds
+from diloco_serverless.exchange._io import CountingStore, RoundLayout, ranks_in, shard_bounds
 from diloco_serverless.exchange.codec import (
     ShardHeader,
     check_fields,
@@ -51,6 +51,7 @@ from diloco_serverless.exchange.codec import (
     unpack,
 )
 from diloco_serverless.exchange.errors import AbstainedError, CorruptObjectError, MismatchError
+from diloco_serverless.exchange.polling import Backoff
 from diloco_serverless.exchange.quorum import (
     Quorum,
     QuorumWait,
@@ -279,7 +280,7 @@ class VotedRound:
         :class:`~diloco_serverless.exchange.errors.RoundPrunedError` if the run moved on."""
         io, p, n = self.io, self.p, self.me.world_size
         started = time.monotonic()
-        sleep_s, last_skip_check = min(FIRST_POLL_S, p.poll_interval_s), started - 1.0
+        backoff, last_skip_check = Backoff(p.poll_interval_s), started - 1.0
         reading: dict[int, Future[bytes | None]] = {}
         entitled_since: float | None = None
         seen, announced = 0, set[int]()
@@ -319,13 +320,12 @@ class VotedRound:
                     f"{sorted(q for q, e in self.entries.items() if e.contributed)}, min_replicas={p.min_replicas}); "
                     "check those replicas' logs or lower min_replicas"
                 )
-            pause = min(sleep_s, max(0.0, p.deadline - now))
+            pause = min(backoff.next(), max(0.0, p.deadline - now))
             time.sleep(pause)
             self.wait_s += pause
             if len(present) > seen:  # progress: poll soon again
-                seen, sleep_s = len(present), min(FIRST_POLL_S, p.poll_interval_s)
-            else:
-                sleep_s = min(sleep_s * 1.5, p.poll_interval_s)
+                seen = len(present)
+                backoff.reset()
 
     # ------------------------------------------------------------------ helpers
 
