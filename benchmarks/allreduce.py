@@ -498,10 +498,10 @@ def main() -> int:
                     help="the replicas' sleeps between polls: 'real' (default) the exchange's defaults (first "
                          "20 ms, longest 0.5 s) divided by --scale on an emulated store, as its latencies are, so "
                          "a poll costs what it would on the real store; 'fast' 20 ms to 0.2 s, not scaled (the "
-                         "setting of the measurements before 2026-12-03's last stop)")
+                         "setting of the measurements before stop 32, 2026-12-03)")
     ap.add_argument("--waited-share", type=float, default=None,
                     help="A/B: a sleep between polls is at most this share of the time waited (default: the "
-                         "exchange's, 0.1); 'inf' leaves growth alone, the schedule before 2026-12-03's last stop")
+                         "exchange's, 0.1); 'inf' leaves growth alone, the schedule before stop 32 (2026-12-03)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
     if args.hedge not in ("default", "off"):

@@ -314,7 +314,7 @@ def test_contributions_go_up_as_they_are_encoded(monkeypatch: pytest.MonkeyPatch
         if ours:
             running.append(1)
             log.append(("encode", len(running), time.monotonic()))
-            time.sleep(0.15)
+            time.sleep(0.3)
         try:
             return real_pack(tensors, header, run_key)
         finally:
