@@ -626,7 +626,7 @@ class ObjectStore:
     def list(self, prefix: str = "") -> list[str]:
         """All object keys under the folder ``prefix`` ('' = the whole store), recursively,
         relative to the store root, sorted. ``[]`` if there are none."""
-        return sorted(self._list(prefix, detail=False))
+        return builtins.list(self._list(prefix, detail=False))  # _list's keys come sorted
 
     def list_md5(self, prefix: str = "") -> dict[str, str | None]:
         """:meth:`list` with each object's MD5 (32 lower-case hex digits) where the listing tells it, with
@@ -636,6 +636,7 @@ class ObjectStore:
         return self._list(prefix, detail=True)
 
     def _list(self, prefix: str, *, detail: bool) -> dict[str, str | None]:
+        """The keys under ``prefix``, sorted, each with its MD5 (``detail``) or ``None``."""
         prefix = _check_key(prefix, allow_empty=True)
         path = self._path(prefix)
 
@@ -668,7 +669,7 @@ class ObjectStore:
             return {str(o["name"]): _gcs_md5(o) if detail else None for o in items if not str(o["name"]).endswith("/")}
         if self.protocol == "memory":  # fsspec's find iterates its dict while other threads write to it
             folder = "/" + path.strip("/") + "/"
-            return dict.fromkeys(sorted(k for k in list(self._fs.store) if k.startswith(folder)))
+            return dict.fromkeys(k for k in list(self._fs.store) if k.startswith(folder))
         parent, _, name = path.rstrip("/").rpartition("/")
         if self.protocol == "s3" and parent:
             found = self._fs_call("find", parent, prefix=f"{name}/", detail=detail, timeout_s=remaining, hedged=True)
