@@ -200,7 +200,6 @@ def replica_main(
     """One replica process: runs every case in lockstep with the others (barriers). ``polls``: the
     exchange's first and longest sleep between polls (see ``--polls``)."""
     import diloco_serverless.exchange.polling as polling
-    import diloco_serverless.store.hedge as hedge_module
     from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce
     from diloco_serverless.store.objectstore import ObjectStore
     from diloco_serverless.store.retry import RetryPolicy
@@ -208,11 +207,6 @@ def replica_main(
     torch.set_num_threads(1)
     polling.FIRST_POLL_S, poll_interval_s = polls  # this process's exchanges (and the naive method) only
     polling.WAITED_SHARE = float(os.environ.get("BENCH_WAITED_SHARE", polling.WAITED_SHARE))
-    write_share = os.environ.get("BENCH_WRITE_SHARE", "default")
-    if write_share == "off":  # A/B: no hedged writes (reads stay hedged)
-        hedge_module.MIN_BATCH = 1 << 30
-    elif write_share != "default":
-        hedge_module.WRITE_HEDGE_SHARE = float(write_share)
     if os.environ.get("BENCH_SPLIT") == "off":  # A/B: multipart shards (S = N) instead of part-sized ones
         import diloco_serverless.exchange.allreduce as exchange_module
 
@@ -256,8 +250,7 @@ def replica_main(
         barrier.wait()  # parent resets counters
         barrier.wait()  # go
         io0, t0, c0, m0 = proc_io(), time.perf_counter(), time.process_time(), time.monotonic()
-        h0 = (store.hedger.reads, store.hedger.backups, store.hedger.wins, store.hedger.write_backups,
-              store.hedger.write_wins)
+        h0 = (store.hedger.reads, store.hedger.backups, store.hedger.wins)
         if case.method == "sharded":
             y = ar.allreduce(x)
         else:
@@ -279,8 +272,7 @@ def replica_main(
                 "code_bytes_down": stats.get("bytes_down"),
                 "digest": digest,
                 "phases_s": stats.get("phases_s", {}),
-                "hedge": [store.hedger.reads - h0[0], store.hedger.backups - h0[1], store.hedger.wins - h0[2],
-                          store.hedger.write_backups - h0[3], store.hedger.write_wins - h0[4]],
+                "hedge": [store.hedger.reads - h0[0], store.hedger.backups - h0[1], store.hedger.wins - h0[2]],
             }
         )
         del x, y
@@ -323,8 +315,6 @@ def run_group(
             rows.append(summarise(case, per_rank, server))
             # hedged reads of all replicas: reads, backups sent, backups that answered first
             rows[-1]["hedge_reads_backups_wins"] = [sum(r["hedge"][k] for r in per_rank) for k in range(3)]
-            # hedged writes (WriteBatch): writes sent a second time, of which the second answered first
-            rows[-1]["hedge_write_backups_wins"] = [sum(r["hedge"][k] for r in per_rank) for k in (3, 4)]
             rows[-1]["server_cpu_s"] = server_cpu if counter is not None else None
             print_row(rows[-1], flush=True)
             cleanup(f"bench-{i}")
@@ -512,9 +502,6 @@ def main() -> int:
     ap.add_argument("--waited-share", type=float, default=None,
                     help="A/B: a sleep between polls is at most this share of the time waited (default: the "
                          "exchange's, 0.1); 'inf' leaves growth alone, the schedule before stop 32 (2026-12-03)")
-    ap.add_argument("--write-share", default="default",
-                    help="A/B: hedged writes; a write of a batch still waiting once this share of the batch has "
-                         "answered gets a backup ('default': the store's, 0.9; 'off': none, reads stay hedged)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per case; the table shows the fastest (default 2)")
     args = ap.parse_args()
     if args.hedge not in ("default", "off"):
@@ -534,14 +521,6 @@ def main() -> int:
     os.environ["BENCH_ROUND"] = args.round
     if args.waited_share is not None:
         os.environ["BENCH_WAITED_SHARE"] = str(args.waited_share)
-    if args.write_share not in ("default", "off"):
-        from diloco_serverless.store.hedge import WriteBatch
-
-        try:
-            WriteBatch(8, share=float(args.write_share))
-        except ValueError as e:
-            ap.error(f"--write-share: {e}")
-    os.environ["BENCH_WRITE_SHARE"] = args.write_share
     methods = tuple(m for m in args.methods.split(",") if m)
     if not methods or set(methods) - {"sharded", "naive"}:
         ap.error(f"--methods must name sharded and/or naive, got {args.methods!r}")
@@ -621,7 +600,6 @@ def main() -> int:
         "round": args.round,
         "polls": args.polls,
         "waited_share": args.waited_share,
-        "write_share": args.write_share,
         "presets": {name: PRESETS[name].to_json() for name in dict.fromkeys(args.preset)},
         "replicas": "processes (forkserver), one per replica",
         "rows": rows,

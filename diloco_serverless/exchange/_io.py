@@ -41,7 +41,6 @@ from diloco_serverless.exchange.errors import CorruptObjectError
 from diloco_serverless.exchange.topology import PROTOCOLS, shard_count
 from diloco_serverless.run.layout import ROUNDS_PREFIX, SPREAD_PREFIX
 from diloco_serverless.store.errors import ObjectNotFound
-from diloco_serverless.store.hedge import WriteBatch
 from diloco_serverless.store.objectstore import ObjectStore, ObjectTooLarge
 
 logger = logging.getLogger(__name__)
@@ -200,10 +199,9 @@ class CountingStore:
         for key in keys:
             self._control_executor().submit(put, key)
 
-    def put_if_absent(self, key: str, data: bytes, *, batch: WriteBatch | None = None) -> bool:
-        """:meth:`ObjectStore.put_if_absent`, counting the bytes of a backup (``batch``) too."""
-        created = self.store.put_if_absent(key, data, batch=batch)
-        self._add(up=len(data) * (2 if batch is not None and key in batch.backed_up else 1))
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        created = self.store.put_if_absent(key, data)
+        self._add(up=len(data))
         return created
 
     # ----------------------------------------------------------------- size limits

@@ -91,7 +91,6 @@ from diloco_serverless.run.layout import (
     spread_count,
 )
 from diloco_serverless.store import ObjectNotFound, StoreAccessDenied, StoreUnavailable, TransferPolicy
-from diloco_serverless.store.hedge import WriteBatch
 from diloco_serverless.store.objectstore import ObjectStore
 
 __all__ = [
@@ -493,7 +492,6 @@ class ObjectStoreAllReduce:
         assert io is not None
 
         encoding = threading.BoundedSemaphore(_ENCODE_AT_ONCE)
-        batch = WriteBatch(len(rs.bounds))  # their bodies share our link: the last answers are the tail
 
         def one(j: int) -> torch.Tensor:
             a, b = rs.bounds[j]
@@ -502,7 +500,7 @@ class ObjectStoreAllReduce:
             with encoding:
                 enc = encode_values(flat[a:b], self.codec)
                 data = pack(enc, asdict(header), self._run_key)
-            stored = self._write_piece(key, data, header, batch)
+            stored = self._write_piece(key, data, header)
             return decode_values(enc, self.codec, b - a) if stored is None else stored
 
         futures = [self._executor().submit(one, j) for j in range(len(rs.bounds))]
@@ -517,8 +515,7 @@ class ObjectStoreAllReduce:
         return wait_prefetching(futures, lambda: look() - {self.rank}, lambda ready: self._prefetch(rs, ready),
                                 others=self.world_size - 1, poll_interval_s=self.poll_interval_s)
 
-    def _write_piece(self, key: str, data: bytes, header: ShardHeader,
-                     batch: WriteBatch | None = None) -> torch.Tensor | None:
+    def _write_piece(self, key: str, data: bytes, header: ShardHeader) -> torch.Tensor | None:
         """Create our contribution object ``key`` (create-only): ``None`` once ``data`` is stored there, or
         the values of the object already there, ours from before a restart, which count (others may have
         read it before our vote: :class:`EarlyFetch` does not wait for votes). One the store cannot give
@@ -527,7 +524,7 @@ class ObjectStoreAllReduce:
         io = self._io
         assert io is not None
         try:
-            if io.put_if_absent(key, data, batch=batch):
+            if io.put_if_absent(key, data):
                 return None
             return decode_shard(io.get(key), key=key, expect=header, run_key=self._run_key)
         except (StoreUnavailable, StoreAccessDenied, ObjectNotFound):
@@ -586,8 +583,7 @@ class ObjectStoreAllReduce:
         # Where a gather poll is one listing (N <= 16), the gather runs while we reduce our own shards: the
         # others' reduced shards come down while our sums and PUTs are under way (docs/exchange.md, "Round
         # trips"). A spread round polls by GETs of every missing shard, so it gathers after its reduce.
-        batch = WriteBatch(len(mine))  # our reduced shards: their PUTs' stragglers get backups
-        reducing = {j: self._executor().submit(self._reduce, rs, quorum, j, ref, batch) for j in mine}
+        reducing = {j: self._executor().submit(self._reduce, rs, quorum, j, ref) for j in mine}
         if self._spread != 1:
             wait(list(reducing.values()))
         started: float | None = None  # when our own shards were done: the takeover clock starts there
@@ -654,14 +650,11 @@ class ObjectStoreAllReduce:
         shards, and each one's sum waits for its own contributions and its PUT is a round trip of its own."""
         if len(shards) <= 1:
             return {j: self._reduce(rs, quorum, j, ref) for j in shards}
-        batch = WriteBatch(len(shards))
-        futures = {j: self._executor().submit(self._reduce, rs, quorum, j, ref, batch) for j in shards}
+        futures = {j: self._executor().submit(self._reduce, rs, quorum, j, ref) for j in shards}
         return {j: fut.result() for j, fut in futures.items()}
 
-    def _reduce(self, rs: _Round, quorum: Quorum, j: int, ref: ReadyMarker,
-                batch: WriteBatch | None = None) -> torch.Tensor:
-        """Mean of shard j over the quorum (rank order, fp32), stored create-only (one write of ``batch``, the
-        reduced shards this replica PUTs together); returns the stored values."""
+    def _reduce(self, rs: _Round, quorum: Quorum, j: int, ref: ReadyMarker) -> torch.Tensor:
+        """Mean of shard j over the quorum (rank order, fp32), stored create-only; returns the stored values."""
         io = self._io
         assert io is not None
         a, b = rs.bounds[j]
@@ -678,7 +671,7 @@ class ObjectStoreAllReduce:
         enc = encode_values(acc, self.codec)
         key = reduced_key(rs.r, j, self._spread)
         expect = self._reduced_header(rs.r, j, (a, b), ref)
-        if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key), batch=batch):
+        if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key)):
             return decode_values(enc, self.codec, b - a)
         return decode_shard(io.get(key), key=key, expect=expect, run_key=self._run_key)
 

@@ -22,14 +22,7 @@ at most ``burst`` saved), and (2) pauses backups for ``quiet_s`` when, of its la
 backups (at least half of them seen), fewer than ``min_win_rate`` answered first. Under the presets'
 random lognormal tail a backup sent at the 0.75 quantile answers first about 29% of the time (then
 16 backups with at most one answering first, the least on which it pauses, have a chance of ~3%).
-A write is hedged only as one of a batch (:class:`WriteBatch`: a round's contribution pieces, a
-replica's reduced shards), and only create-only: writes sent together share one link, so their bodies
-are through at about the same time and which answer last is set by the first-byte tail alone. Once
-``share`` of the batch have answered, each write still waiting is sent a second time and the first
-answer counts. Sending it twice is safe because it is create-only and both carry the same bytes: the
-request that lands second is refused ("exists") and a refusal is only believed when both are refused
-(then the object is read back, as for any create). The extra bytes are bounded by the share (a tenth of
-a batch's bytes by default). :class:`Hedger` learns
+Writes are never hedged: a create-only PUT sent twice could lose to itself. :class:`Hedger` learns
 the store's answer times from the reads it makes (the first ``min_samples`` reads go unhedged). It
 records the time the caller waited, which keeps its quantile the store's own: a hedged read is slower
 than the quantile exactly when its first request is.
@@ -38,7 +31,6 @@ than the quantile exactly when its first request is.
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 from collections import deque
@@ -47,7 +39,7 @@ from typing import TypeVar
 
 from diloco_serverless.store.errors import is_transient
 
-__all__ = ["Hedger", "HEDGE_QUANTILE", "MIN_BATCH", "WRITE_HEDGE_SHARE", "WriteBatch"]
+__all__ = ["Hedger", "HEDGE_QUANTILE"]
 
 T = TypeVar("T")
 
@@ -61,10 +53,6 @@ _BUDGET = 0.3  # backups per read, at most, over time (the 0.75 quantile alone s
 _BURST = 10.0  # backups a quiet stretch may save up
 _OUTCOMES = 32  # recent backups whose outcome (answered first or not) a Hedger keeps
 _MIN_WIN_RATE = 0.1  # below this share of backups answering first, pause backups for quiet_s
-#: Share of a :class:`WriteBatch` that must have answered before each write still waiting gets a backup.
-WRITE_HEDGE_SHARE = 0.9
-#: Smallest :class:`WriteBatch` whose stragglers get backups (in fewer writes the slowest is not a tail).
-MIN_BATCH = 4
 
 
 class Hedger:
@@ -85,8 +73,6 @@ class Hedger:
         self.reads = 0  # hedgeable reads made
         self.backups = 0  # of which sent a backup request
         self.wins = 0  # of which the backup answered first
-        self.write_backups = 0  # create-only writes of a WriteBatch sent a second time
-        self.write_wins = 0  # of which the second answered first
 
     def observe(self, seconds: float) -> None:
         """Record one read's answer time."""
@@ -105,19 +91,6 @@ class Hedger:
                 return None
             ordered = sorted(self._times)
         return max(self.floor_s, ordered[min(len(ordered) - 1, int(quantile * len(ordered)))])
-
-    def paused(self) -> bool:
-        """True while backups are paused (a transient failure, or backups that did not answer first)."""
-        with self._lock:
-            return time.monotonic() < self._quiet_until
-
-    def write_outcome(self, backup_won: bool, quantile: float | None) -> None:
-        """Record a hedged write: its backup answered first or not. Writes and reads share the pause
-        rule: a store whose answers only grow with the extra requests gets none of either."""
-        with self._lock:
-            self.write_backups += 1
-            self.write_wins += backup_won
-        self._outcome(backup_won, quantile)
 
     def _quiet(self, quantile: float | None) -> None:
         """A transient failure, or backups that do not answer first: send no backups for a while (the
@@ -185,47 +158,3 @@ async def _cancel(tasks: set[asyncio.Future[T]], release: Callable[[T], None] | 
     for value in await asyncio.gather(*tasks, return_exceptions=True):
         if release is not None and not isinstance(value, BaseException):
             release(value)
-
-
-class WriteBatch:
-    """Writes sent together, whose stragglers get a backup (see the module docstring).
-
-    Each write of the batch calls :meth:`due` while it waits for its answer (it returns once the write
-    should send a backup, or once the write answered) and :meth:`answered` when it is done. The batch is
-    due once ``min(size - 1, ceil(share * size))`` writes have answered; a batch of fewer than four writes
-    never is. Thread-safe.
-    """
-
-    def __init__(self, size: int, *, share: float | None = None) -> None:
-        share = WRITE_HEDGE_SHARE if share is None else share
-        if not 0.0 < share < 1.0:
-            raise ValueError(f"WriteBatch share must be strictly between 0 and 1, got {share!r}")
-        self.size = size
-        #: answers after which the rest get backups; None: never (a batch too small to have a tail)
-        self.due_after: int | None = min(size - 1, math.ceil(share * size)) if size >= MIN_BATCH else None
-        self._answered = 0
-        self._cond = threading.Condition()
-        self.backed_up: set[str] = set()  # keys sent a second time
-
-    def answered(self) -> None:
-        """One write of the batch has its answer."""
-        with self._cond:
-            self._answered += 1
-            self._cond.notify_all()
-
-    def wake(self) -> None:
-        """Wake the writes waiting in :meth:`due` (one of them answered on its own)."""
-        with self._cond:
-            self._cond.notify_all()
-
-    def due(self, done: Callable[[], bool]) -> bool:
-        """Wait until ``done()`` or the batch is due: True when the write should send its backup now. A
-        write that starts once the batch is due gets none: it is late to start, not in the answers' tail."""
-        if self.due_after is None:
-            return False
-        due_after = self.due_after
-        with self._cond:
-            if self._answered >= due_after:
-                return False
-            self._cond.wait_for(lambda: done() or self._answered >= due_after)
-            return not done()

@@ -49,7 +49,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
@@ -69,7 +69,7 @@ from diloco_serverless.store.errors import (
     is_transient,
     translate_error,
 )
-from diloco_serverless.store.hedge import Hedger, WriteBatch
+from diloco_serverless.store.hedge import Hedger
 from diloco_serverless.store.retry import RetryPolicy, call_with_retry
 
 __all__ = [
@@ -141,23 +141,6 @@ def storage_options_from_env() -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"${ENV_STORAGE_OPTIONS} must be a JSON object, got {type(value).__name__}")
     return value
-
-
-def _in_thread(fn: Callable[[], T]) -> Future[T]:
-    """``fn()`` on a thread of its own (a hedged write: both requests block on the file system's loop, and a
-    pool would not survive a fork), as a Future."""
-    fut: Future[T] = Future()
-
-    def run() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="store-hedged-write", daemon=True).start()
-    return fut
 
 
 def _split_url(url: str) -> tuple[str, str, str]:
@@ -428,7 +411,7 @@ class ObjectStore:
 
         self._run("put", key, attempt)
 
-    def put_if_absent(self, key: str, data: bytes, *, batch: WriteBatch | None = None) -> bool:
+    def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` with ``data`` only if no object exists there, atomically.
 
         Returns True if this call created the object, False if one existed (its bytes are
@@ -439,10 +422,6 @@ class ObjectStore:
         it". Every create-only object the package writes is unique to its writer (a timestamp, a
         rank, a random key) or identical whoever writes it (a reduced shard), so equal bytes mean
         "mine, or the same as mine". Not atomic on fsspec protocols other than file, memory, s3 and gs.
-
-        With ``batch`` (one of writes sent together), on S3 and GCS with hedging on, a write still
-        waiting for its answer when the batch is due is sent a second time and the first answer that
-        created the object counts (:class:`~diloco_serverless.store.hedge.WriteBatch`).
         """
         key = _check_key(key)
         path, data = self._path(key), bytes(data)
@@ -466,50 +445,13 @@ class ObjectStore:
             except FileExistsError:
                 return False
 
-        def create() -> bool:
-            return self._run("put_if_absent", key, attempt)
-
-        try:
-            if (batch is None or batch.due_after is None or self.protocol not in _RANGED
-                    or self.transfer.hedge_quantile is None):
-                created = create()
-            else:
-                created = self._create_hedged(key, create, batch)
-        finally:
-            if batch is not None:
-                batch.answered()
+        created = self._run("put_if_absent", key, attempt)
         if not created:
             try:
                 return self.get(key, max_bytes=len(data)) == data
             except (ObjectNotFound, ObjectTooLarge):  # deleted in between, or another writer's object
                 return False
         return created
-
-    def _create_hedged(self, key: str, create: Callable[[], bool], batch: WriteBatch) -> bool:
-        """``create()``, sent a second time if it has not answered when ``batch`` is due (and backups are not
-        paused). True as soon as either created the object; False when neither did (one refused and the
-        other refused or failed: the caller reads the object back); the error when both failed."""
-        first = _in_thread(create)
-        first.add_done_callback(lambda _: batch.wake())
-        if not batch.due(first.done) or self.hedger.paused():
-            return first.result()
-        second = _in_thread(create)
-        batch.backed_up.add(key)
-        pending: set[Future[bool]] = {first, second}
-        errors: list[BaseException] = []
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                error = fut.exception()
-                if error is not None:
-                    errors.append(error)
-                elif fut.result():
-                    self.hedger.write_outcome(fut is second, self.transfer.hedge_quantile)
-                    return True
-        self.hedger.write_outcome(False, self.transfer.hedge_quantile)
-        if len(errors) == 2:
-            raise errors[0]
-        return False
 
     def put_json(self, key: str, obj: Any) -> None:
         """:meth:`put` ``obj`` as UTF-8 JSON."""

@@ -18,7 +18,6 @@ import torch
 from diloco_serverless.exchange.allreduce import ObjectStoreAllReduce, RoundStats
 from diloco_serverless.exchange.overlap import EarlyFetch, wait_prefetching
 from diloco_serverless.run.layout import contrib_key, reduced_key, vote_key
-from diloco_serverless.store.hedge import WriteBatch
 from diloco_serverless.store.objectstore import ObjectStore
 from support.allreduce import FAST, WithQuorum, assert_identical, randn, run_replicas
 from support.recording_store import RecordingStore
@@ -146,9 +145,9 @@ class HeldUntil(RecordingStore):
         self._hold(key)
         super().put(key, data)
 
-    def put_if_absent(self, key: str, data: bytes, *, batch: WriteBatch | None = None) -> bool:
+    def put_if_absent(self, key: str, data: bytes) -> bool:
         self._hold(key)
-        return super().put_if_absent(key, data, batch=batch)
+        return super().put_if_absent(key, data)
 
 
 def holds_one_write(url: str, held: str, wanted: Callable[[str], bool]) -> HeldUntil:
@@ -228,11 +227,11 @@ class FailsOneVote(RecordingStore):
 
     failed = False
 
-    def put_if_absent(self, key: str, data: bytes, *, batch: WriteBatch | None = None) -> bool:
+    def put_if_absent(self, key: str, data: bytes) -> bool:
         if key == vote_key(0, 1) and not self.failed:
             type(self).failed = True
             raise ConnectionError("replica killed before its vote")
-        return super().put_if_absent(key, data, batch=batch)
+        return super().put_if_absent(key, data)
 
 
 def test_a_replica_that_republishes_after_dying_before_its_vote_counts_its_stored_pieces() -> None:
@@ -295,10 +294,10 @@ class _TimesPieces(RecordingStore):
         super().__init__(url)
         self.log = log
 
-    def put_if_absent(self, key: str, data: bytes, *, batch: WriteBatch | None = None) -> bool:
+    def put_if_absent(self, key: str, data: bytes) -> bool:
         if re.fullmatch(r".*/contrib/\d+/rank-0", key):
             self.log.append(("put", int(key.split("/")[-2]), time.monotonic()))
-        return super().put_if_absent(key, data, batch=batch)
+        return super().put_if_absent(key, data)
 
 
 def test_contributions_go_up_as_they_are_encoded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from diloco_serverless.store._transfer import MIN_PART_SIZE, TransferPolicy
 from diloco_serverless.store.hedge import Hedger
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.store.retry import RetryPolicy
-from support.fault_proxy import FaultProxy, Hold
+from support.fault_proxy import FaultProxy, RequestInfo
 
 MiB = 1 << 20
 FAST = RetryPolicy(max_attempts=3, base_delay_s=0.01, max_delay_s=0.05, timeout_s=30.0)
@@ -40,6 +40,24 @@ def bucket(s3_server: str) -> str:
     boto3.client("s3", endpoint_url=s3_server, aws_access_key_id="testing", aws_secret_access_key="testing",
                  region_name="us-east-1").create_bucket(Bucket=name)
     return name
+
+
+class Hold:
+    """A proxy hook that holds the first request matching ``match`` until released (at most 20 s)."""
+
+    def __init__(self, match: Callable[[RequestInfo], bool]) -> None:
+        self.match = match
+        self.seen: list[RequestInfo] = []
+        self.released = threading.Event()
+        self.held = threading.Event()
+
+    def __call__(self, req: RequestInfo, stage: str) -> None:
+        if stage != "before" or not self.match(req):
+            return
+        self.seen.append(req)
+        if len(self.seen) == 1:
+            self.held.set()
+            self.released.wait(20)
 
 
 def _warm(store: ObjectStore, hedger_samples: int = 20) -> None:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import random
 import re
-import threading
 import time
 import urllib.parse
 from collections import Counter, deque
@@ -64,7 +63,6 @@ __all__ = [
     "TRANSIENT_KINDS",
     "FaultProxy",
     "FaultRule",
-    "Hold",
     "RequestInfo",
     "Target",
     "user_agent_options",
@@ -296,23 +294,3 @@ class FaultProxy(HttpProxy):
             with self._lock:
                 self.counts["hook"] += 1
         return action
-
-
-class Hold:
-    """A proxy hook (``hooks=[hold]``) that holds the first request matching ``match``, before it is
-    forwarded (the store has not acted), until ``released`` is set (at most 20 s); ``held`` is set once
-    it holds one, ``seen`` lists every matching request."""
-
-    def __init__(self, match: Callable[[RequestInfo], bool]) -> None:
-        self.match = match
-        self.seen: list[RequestInfo] = []
-        self.released = threading.Event()
-        self.held = threading.Event()
-
-    def __call__(self, req: RequestInfo, stage: str) -> None:
-        if stage != "before" or not self.match(req):
-            return
-        self.seen.append(req)
-        if len(self.seen) == 1:
-            self.held.set()
-            self.released.wait(20)

@@ -7,7 +7,6 @@ import threading
 from collections import Counter
 from typing import Any
 
-from diloco_serverless.store.hedge import WriteBatch
 from diloco_serverless.store.objectstore import ObjectStore
 
 
@@ -58,9 +57,9 @@ class RecordingStore(ObjectStore):
         self._record("PUT", key)
         super().put(key, data)
 
-    def put_if_absent(self, key: str, data: bytes, *, batch: WriteBatch | None = None) -> bool:
+    def put_if_absent(self, key: str, data: bytes) -> bool:
         self._record("PUT", key)
-        return super().put_if_absent(key, data, batch=batch)
+        return super().put_if_absent(key, data)
 
     def list(self, prefix: str = "") -> list[str]:
         out = super().list(prefix)
