@@ -244,6 +244,11 @@ class DataConfig(_Section):
         description="Share of files (stdlib) or records held out for eval, by hash; unused with data.eval_split.",
     )
     eval_batches: int = Field(4, ge=1, description="Batches of the held-out split per evaluation.")
+    max_bad_fraction: float = Field(
+        0.01, ge=0.0, le=1.0,
+        description="datasets sources: share of rows that may be unusable (skipped, counted in the metrics as "
+        "data_bad_rows, named in a warning) before the run stops with an error naming examples; 0 = none.",
+    )
 
     @field_validator("source")
     @classmethod

@@ -358,6 +358,13 @@ class BatchBuilder:
         waited, self._wait_s = self._wait_s, 0.0
         return waited
 
+    @property
+    def bad_rows(self) -> int:
+        """Unusable rows this builder's source skipped so far (:mod:`.bad_rows`; 0 for sources that
+        have none to skip)."""
+        counts = getattr(self.source, "bad_rows", None)
+        return int(counts.bad) if counts is not None else 0
+
     # ------------------------------------------------------------------ lifecycle
     def _stop(self) -> None:
         """Drop the batches made ahead (their position is not ours any more)."""

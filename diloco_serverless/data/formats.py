@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_serverless.config import DataColumns
+from diloco_serverless.data.chat_mask import assistant_spans, masked_ids, render
 from diloco_serverless.data.examples import DataError, Example, shuffle_lines, split_fraction
 
 __all__ = [
@@ -320,56 +321,52 @@ class Encoder:
     def chat(self, turns: Conversation, hint: str | None, where: str) -> Example:
         """A ``chat`` record (validated by :func:`messages_from_row`): prompt = the tokens before the
         first assistant turn, response = the rest up to the end of the last assistant turn, with a
-        loss mask on the assistant turns. A template that renders earlier turns differently once
-        later ones follow (e.g. one that drops past reasoning) keeps the last assistant turn only."""
+        loss mask on the assistant turns, found as character spans of the rendered text
+        (:mod:`.chat_mask`), so merges across a turn boundary cannot fail a row. A template that
+        renders earlier turns differently once later ones follow (e.g. one that drops past reasoning)
+        keeps the last assistant turn only. DataError for a row the template cannot render (it
+        raises, or renders no assistant text): the caller skips and counts it."""
         if not self.has_template:
             raise DataError(f"{where}: data.format='chat' needs a tokenizer with a chat template; this one has none")
-        out = self._chat(turns, hint)
+        try:
+            out = self._chat(turns, hint)
+        except DataError:
+            raise
+        except Exception as exc:  # a template's own raise_exception (e.g. roles must alternate), jinja errors
+            raise DataError(f"{where}: the chat template cannot render this conversation: {exc}") from exc
         if out is None:
             raise DataError(
-                f"{where}: the chat template does not render the conversation before the last assistant turn as a "
-                "prefix of the whole conversation; use a model with a standard template or format prompt_response"
+                f"{where}: the chat template renders no assistant text for this conversation (the render of the "
+                "turns before the last assistant turn is not a prefix of the whole, or the turn renders empty)"
             )
         prompt, response, teacher, mask = out
         return Example(list(prompt), list(response), list(teacher), [], [], where, list(mask))
+
+    def _masked(self, msgs: list[dict[str, str]], assistant: list[int]) -> tuple[list[int], list[int]] | None:
+        """(ids of the chat up to its last assistant turn, assistant mask), or None."""
+        full = render(self.tokenizer, msgs[: assistant[-1] + 1], False)
+        spans = assistant_spans(self.tokenizer, msgs, assistant, full)
+        if spans is None:
+            return None
+        return masked_ids(self.tokenizer, full, spans)
 
     def _tokenize_chat(
         self, turns: Conversation, hint: str | None
     ) -> tuple[list[int], list[int], list[int], list[int]] | None:
         assistant = [i for i, (role, content) in enumerate(turns) if role == "assistant"]
-        last = assistant[-1]
         msgs = _as_messages(turns)
-        full = self.chat_ids(msgs[: last + 1], False)
-        spans = self._spans(msgs, full, assistant)
-        if spans is None:
+        out = self._masked(msgs, assistant)
+        marked = [k for k, on in enumerate(out[1]) if on] if out is not None else []
+        if out is None or not marked or marked[0] == 0:
             return None
-        start, end = spans[0][0], spans[-1][1]
-        prompt, response = full[:start], full[start:end]
-        mask = [0] * len(response)
-        for a, b in spans:
-            mask[a - start : b - start] = [1] * (b - a)
+        ids, on = out
+        start, end = marked[0], marked[-1] + 1
+        prompt, response, mask = ids[:start], ids[start:end], on[start:end]
         teacher = prompt
         if hint:
-            t_msgs = _as_messages(with_hint(turns[: assistant[0]], hint)) + msgs[assistant[0] : last + 1]
-            t_prompt = self.chat_ids(t_msgs[: assistant[0]], True)
-            t_full = self.chat_ids(t_msgs, False)
-            n = len(t_prompt)
-            if t_full[:n] == t_prompt and t_full[n : n + len(response)] == response:
-                teacher = t_prompt[-(len(prompt) + self.hint_len) :]
+            t_msgs = _as_messages(with_hint(turns[: assistant[0]], hint)) + msgs[assistant[0] :]
+            t_out = self._masked(t_msgs, assistant)
+            t_start = next((k for k, m in enumerate(t_out[1]) if m), None) if t_out is not None else None
+            if t_out is not None and t_start and t_out[0][t_start : t_start + len(response)] == response:
+                teacher = t_out[0][:t_start][-(len(prompt) + self.hint_len) :]
         return prompt, response, teacher, mask
-
-    def _spans(self, msgs: list[dict[str, str]], full: list[int], assistant: list[int]) -> list[tuple[int, int]] | None:
-        """Token spans [a, b) of ``full`` holding each assistant turn (its content and end-of-turn)."""
-        spans: list[tuple[int, int]] = []
-        for i in assistant:
-            p = self.chat_ids(msgs[:i], True)
-            f = full if i == assistant[-1] else self.chat_ids(msgs[: i + 1], False)
-            if full[: len(p)] != p or full[: len(f)] != f or len(f) <= len(p) or (spans and len(p) < spans[-1][1]):
-                break
-            spans.append((len(p), len(f)))
-        else:
-            return spans
-        p = self.chat_ids(msgs[: assistant[-1]], True)  # not prefix-stable: the last assistant turn alone
-        if full[: len(p)] != p or len(full) <= len(p):
-            return None
-        return [(len(p), len(full))]

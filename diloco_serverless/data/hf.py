@@ -23,8 +23,13 @@ document in flight were already packed). Eval is ``data.eval_split``, or else th
 content hash falls below ``data.eval_fraction`` (left out of training on every rank); eval
 examples are the first ones of that set in file order, the same on every rank.
 
+Unusable rows (wrong types, a chat without an assistant turn or one its template cannot render)
+are skipped, counted (``bad_rows``, the ``data_bad_rows`` metric) and named in a warning, up to
+``data.max_bad_fraction`` of the rows read (:mod:`.bad_rows`).
+
 Failure: :class:`DataError` in one line naming the source, split, column and record: missing
-columns, wrong types, a chat without an assistant turn, an empty shard, an unloadable source.
+columns, more unusable rows than ``data.max_bad_fraction`` (with examples), an empty shard, an
+unloadable source.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import fsspec
 import numpy as np
 
 from diloco_serverless.config import HF_SOURCE_PREFIX, DataConfig
+from diloco_serverless.data.bad_rows import BadRows
 from diloco_serverless.data.examples import DataError, Example, example_rng
 from diloco_serverless.data.formats import (
     Encoder,
@@ -63,6 +69,11 @@ _SAVED_MARKERS = ("state.json", "dataset_dict.json")
 
 Row = dict[str, Any]
 RecordKey = tuple[int, ...]
+
+
+def _pass_done(key: RecordKey) -> bool:
+    """Whether a training record of this key comes after a whole pass over the shard (epoch >= 1)."""
+    return len(key) >= 2 and key[0] >= 1
 
 
 def import_datasets() -> Any:
@@ -368,14 +379,17 @@ class _EvalRecords:
 class _RecordExamples:
     """One example per record (chat, prompt_response, preference). State ``{"records": ...}``."""
 
-    def __init__(self, records: Any, encode: Callable[[Row, str, RecordKey], Example]) -> None:
+    def __init__(self, records: Any, encode: Callable[[Row, str, RecordKey], Example | None]) -> None:
         self.records, self.encode = records, encode
 
     def __iter__(self) -> _RecordExamples:
         return self
 
     def __next__(self) -> Example:
-        return self.encode(*self.records.next())
+        while True:  # None: an unusable row, skipped (and counted) by ``encode``
+            example = self.encode(*self.records.next())
+            if example is not None:
+                return example
 
     def state(self) -> dict[str, Any]:
         return {"records": self.records.state()}
@@ -392,7 +406,7 @@ class _PackedExamples:
     Row = prompt ``[t0]`` + response ``[t1..]``: every token after the first is scored, none is padding.
     """
 
-    def __init__(self, records: Any, document: Callable[[Row, str], list[int]], length: int,
+    def __init__(self, records: Any, document: Callable[[Row, str, RecordKey], list[int]], length: int,
                  skip_tokens: int = 0) -> None:
         self.records, self.document, self.length = records, document, length
         self._buf: list[int] = []
@@ -410,7 +424,7 @@ class _PackedExamples:
         while len(self._buf) - self._pos < self.length:
             state = self.records.state()
             row, where, key = self.records.next()
-            tokens = self.document(row, where)
+            tokens = self.document(row, where, key)
             rest, self._skip = tokens[self._skip :], 0
             if not rest:
                 self._check_not_all_empty(key, where)
@@ -472,6 +486,7 @@ class DatasetsSource:
         self._eval = self._loader.load(data.eval_split) if data.eval_split is not None else None
         self.format = self._check_columns()
         self.encoder = Encoder(tokenizer, data.hint_len)
+        self.bad_rows = BadRows(data.max_bad_fraction, self.label)
         if self.format == "chat" and not self.encoder.has_template:
             raise DataError(
                 f"{self.label}: data.format='chat' renders messages with the tokenizer's chat template, and this "
@@ -525,15 +540,30 @@ class DatasetsSource:
         return self._eval is not None or row_fraction(row, self.used) < self.data.eval_fraction
 
     # ------------------------------------------------------------ encoding
-    def _document(self, row: Row, where: str) -> list[int]:
-        return self.encoder.document(text_from_row(row, self.data.columns, where))
+    def _document(self, row: Row, where: str, key: RecordKey) -> list[int]:
+        try:
+            tokens = self.encoder.document(text_from_row(row, self.data.columns, where))
+        except DataError as exc:
+            self.bad_rows.skip(exc, pass_done=_pass_done(key))
+            return []
+        self.bad_rows.good()
+        return tokens
 
-    def _encode(self, row: Row, where: str, key: RecordKey, kind: str) -> Example:
+    def _encode(self, row: Row, where: str, key: RecordKey, kind: str) -> Example | None:
         cols = self.data.columns
-        if self.format == "chat":
-            return self.encoder.chat(messages_from_row(row, cols, where), hint_from_row(row, cols, where), where)
-        rec = record_from_row(row, self.format, cols, where)
-        return self.encoder.prompt_response(rec, example_rng(self.seed, kind, self.rank, *key))
+        try:
+            if self.format == "chat":
+                example = self.encoder.chat(
+                    messages_from_row(row, cols, where), hint_from_row(row, cols, where), where
+                )
+            else:
+                rec = record_from_row(row, self.format, cols, where)
+                example = self.encoder.prompt_response(rec, example_rng(self.seed, kind, self.rank, *key))
+        except DataError as exc:
+            self.bad_rows.skip(exc, pass_done=_pass_done(key))
+            return None
+        self.bad_rows.good()
+        return example
 
     def _examples(self, records: Any, kind: str, skip_tokens: int = 0) -> Any:
         if self.format == "text":

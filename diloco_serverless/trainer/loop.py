@@ -778,6 +778,7 @@ class ReplicaTrainer:
             "inner_s": inner_s,
             "wait_s": blocked,
             "data_wait_s": self.data.reset_data_wait(),  # the inner loop waiting for batches
+            "data_bad_rows": self.data.bad_rows,  # unusable rows skipped so far (data.max_bad_fraction)
             "lr": self.inner.param_groups[0]["lr"],
             "devices": self.local.size if self.local is not None else 1,
         }
