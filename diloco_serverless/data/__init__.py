@@ -3,8 +3,8 @@
 :mod:`.examples` holds the shared :class:`Example` type; :mod:`.stdlib`, :mod:`.jsonl` and :mod:`.hf`
 are the sources (:mod:`.formats` turns records of each ``data.format`` into examples);
 :mod:`.builder` turns a source into the batch dict the three loss channels read, with
-:mod:`.prefetch`'s background thread. To add a source, see docs/architecture.md, "Adding a data
-source"; user-facing reference: docs/data.md.
+:mod:`.prefetch`'s background thread. To add a source, see docs/architecture.md, "Where to add
+things"; user-facing reference: docs/data.md.
 """
 
 from __future__ import annotations

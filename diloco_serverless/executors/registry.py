@@ -7,7 +7,7 @@ handle to a :class:`~diloco_serverless.executors.base.ServerlessExecutor`.
 
 Backends are imported on first use, so this module needs neither ``modal`` nor ``huggingface_hub``.
 To add an executor, implement the Protocol in a module of this package and add one line to
-:data:`EXECUTOR_KINDS` (docs/architecture.md, "Adding an executor").
+:data:`EXECUTOR_KINDS` (docs/architecture.md, "Where to add things").
 """
 
 from __future__ import annotations

@@ -488,7 +488,7 @@ class Run:
         price = self.usd_per_replica_hour
         if max_usd is not None and price is None:
             raise LaunchError(f"cannot enforce max_usd for run {self.run_id}: no price known for "
-                              f"{self.executor_kind} GPU {self.gpu!r}; add it to diloco_serverless/pricing.py")
+                              f"{self.executor_kind} GPU {self.gpu!r}; add it to diloco_serverless/launcher/pricing.py")
         tracker = self._tracker_or_none() if track else None
         status: RunStatus | None = None
         try:

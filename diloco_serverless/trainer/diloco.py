@@ -9,7 +9,7 @@ builds it so that
 * each fragment's pseudo-gradient travels as **one flat buffer** (one exchange round per fragment
   sync): torchft's bucketization with a bucket at least as large as the largest fragment. Smaller
   buckets hit a torchft bug (a tensor crossing a bucket boundary is never reduced), which
-  ``tests/test_diloco_buckets.py`` demonstrates and guards against;
+  ``tests/trainer/test_diloco_buckets.py`` demonstrates and guards against;
 * ``fragment_update_alpha = 0``: after a sync the fragment's parameters are exactly the new global
   parameters, identical on every replica;
 * a replica can **replay** a stored reduced round through the very same torchft code path
@@ -20,7 +20,7 @@ builds it so that
 
 This relies on torchft internals of the pinned ``torchft-nightly==2026.10.26`` (``DiLoCo._fragments``,
 ``_local_step``, fragment ``prepare_sync``/``perform_sync``/``restore_parameters``); a torchft upgrade
-must re-run ``tests/test_diloco*.py``.
+must re-run ``tests/trainer/test_diloco*.py``.
 """
 
 from __future__ import annotations

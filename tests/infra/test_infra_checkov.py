@@ -3,7 +3,7 @@
 checkov runs from its own virtual environment because it installs an `hcl2` module that clashes with
 python-hcl2; `.ci/run` creates it and exports DILOCO_CHECKOV. Locally:
     python3 -m venv .venv-checkov && .venv-checkov/bin/pip install checkov
-    DILOCO_CHECKOV=$PWD/.venv-checkov/bin/checkov python -m pytest -q tests/test_infra_checkov.py
+    DILOCO_CHECKOV=$PWD/.venv-checkov/bin/checkov python -m pytest -q tests/infra/test_infra_checkov.py
 """
 
 from __future__ import annotations

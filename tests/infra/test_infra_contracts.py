@@ -137,7 +137,7 @@ def test_outputs_the_cli_reads_are_declared(cloud: str, aws: dict[str, Any], gcp
 def test_golden_output_file_matches_the_module(cloud: str, aws: dict[str, Any], gcp: dict[str, Any]) -> None:
     module = aws if cloud == "aws" else gcp
     golden = json.loads((DATA / f"terraform_output_{cloud}.json").read_text())
-    assert set(golden) == set(module["output"]), "regenerate tests/data/terraform_output_<cloud>.json"
+    assert set(golden) == set(module["output"]), "regenerate tests/fixtures/terraform_output_<cloud>.json"
     assert all(set(entry) == {"sensitive", "type", "value"} for entry in golden.values())
 
 

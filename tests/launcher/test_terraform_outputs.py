@@ -1,7 +1,7 @@
 """Reading `terraform output -json` for `diloco launch --store-from-terraform` (issue 6).
 
-Golden files tests/data/terraform_output_{aws,gcp}.json were written by `terraform output -json`
-(Terraform 1.11) for outputs shaped like infra/aws and infra/gcp; tests/test_infra_contracts.py checks
+Golden files tests/fixtures/terraform_output_{aws,gcp}.json were written by `terraform output -json`
+(Terraform 1.11) for outputs shaped like infra/aws and infra/gcp; tests/infra/test_infra_contracts.py checks
 that they name exactly the outputs the modules declare.
 """
 

@@ -1,6 +1,6 @@
 """ObjectStore behaviour suite, run against memory://, file://, S3 (moto) and GCS (emulator).
 
-Run: python -m pytest -q tests/test_store.py tests/test_store_errors.py
+Run: python -m pytest -q tests/store/test_store.py tests/store/test_store_errors.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Back-end specifics of ObjectStore: local atomicity, the create-only preconditions that go on
 the wire to S3 and GCS, async batched get_many, and subprocesses configured only by env.
 
-Run: python -m pytest -q tests/test_store_backends.py
+Run: python -m pytest -q tests/store/test_store_backends.py
 """
 
 from __future__ import annotations

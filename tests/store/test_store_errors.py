@@ -1,6 +1,6 @@
 """ObjectStore failure behaviour: retries of transient errors only, denial, unreachable stores.
 
-Run: python -m pytest -q tests/test_store_errors.py
+Run: python -m pytest -q tests/store/test_store_errors.py
 """
 
 from __future__ import annotations
