@@ -285,6 +285,12 @@ class Encoder:
             full = self.chat_ids(user + [{"role": "assistant", "content": response}], False)
             if full[: len(p)] == p and len(full) > len(p):
                 return p, full[len(p) :]
+            # a merge across the boundary (the template's newline + the answer's leading whitespace):
+            # the answer and its end-of-turn as text, tokenized after the prompt, as generation makes them
+            p_text = render(self.tokenizer, user, True)
+            f_text = render(self.tokenizer, user + [{"role": "assistant", "content": response}], False)
+            if f_text.startswith(p_text) and len(f_text) > len(p_text):
+                return p, self.ids(f_text[len(p_text) :])
             return p, self.ids(response) + eos
         text = prompt if isinstance(prompt, str) else "\n\n".join(content for _, content in prompt)
         start = [self.bos] if self.bos is not None else []

@@ -154,6 +154,19 @@ def test_tokenizers_without_offsets_tokenize_turns_apart_with_an_exact_mask(tok:
         assert _decode(tok, ex.response[a:]).startswith(content)  # cut exactly at the turn's first character
 
 
+@pytest.mark.parametrize("response", ["  model data", "\n\tthe data", "\n\nanswer"])
+def test_prompt_response_keeps_the_end_of_turn_when_the_answer_starts_with_whitespace(
+    tok: Any, response: str
+) -> None:
+    """A pair's prompt is the generation prompt's ids (shared by chosen and rejected); the answer is
+    the rest of the rendered text tokenized after it: its content and the template's end-of-turn."""
+    prompt, answer = Encoder(tok, hint_len=8).pair("hi", response)
+    msgs = [{"role": "user", "content": "hi"}]
+    gen = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert prompt == list(tok(gen, add_special_tokens=False)["input_ids"])
+    assert _decode(tok, answer) == response + END
+
+
 def test_a_template_that_raises_is_an_unusable_row_not_a_crash(boundary_bpe: Any) -> None:
     tok = build_boundary_bpe()
     tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
