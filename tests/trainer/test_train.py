@@ -87,6 +87,7 @@ def test_metrics_heartbeats_and_checkpoints(finished_run) -> None:
             assert key in m, key
         assert m["committed"] and m["participants"] == [0, 1] and m["bytes_up"] > 0 and m["tokens"] > 0
         assert isinstance(m["data_wait_s"], float) and 0.0 <= m["data_wait_s"] <= m["wall_s"]
+        assert m["data_bad_rows"] == 0, "unusable data rows skipped (data.max_bad_fraction)"
         assert m["sdpo_jsd"] > 0 and m["trace_replay_dpo"] > 0, "all three loss channels are live"
     evals = [m["round"] for m in metrics if "eval_loss" in m]
     assert evals == [1, 2], "rank 0 evaluates every eval_every=2 outer rounds and at the end"
