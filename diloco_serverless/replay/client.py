@@ -6,7 +6,7 @@ is read from the teacher's environment variable when the call is made and sent a
 it is never stored, logged, cached or put in an error message.
 
 Retries (``teacher.max_retries``) after 429, 408, 5xx, a timeout or a dropped connection, waiting a
-full-jitter exponential backoff (0.5 s x 2^attempt, at most 30 s) or the server's ``Retry-After``
+full-jitter exponential backoff (``retry_backoff_s``, 0.5 s, x 2^attempt, at most 30 s) or the server's ``Retry-After``
 (seconds or an HTTP date) when that is longer. Each attempt is one budget reservation: an answer
 settles at its actual cost, an error answer without usage at zero, and an attempt that timed out or
 lost its connection after the request was sent at its worst case (the provider may bill it).
@@ -67,9 +67,9 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
-def backoff_s(attempt: int, retry_after: float | None, rng: random.Random) -> float:
+def backoff_s(attempt: int, retry_after: float | None, rng: random.Random, base_s: float = BACKOFF_BASE_S) -> float:
     """Full jitter: uniform(0, min(cap, base x 2^attempt)), at least ``retry_after`` when given."""
-    jitter = rng.uniform(0.0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** attempt))
+    jitter = rng.uniform(0.0, min(BACKOFF_MAX_S, base_s * 2 ** attempt))
     return max(jitter, min(retry_after, 600.0)) if retry_after is not None else jitter
 
 
@@ -192,7 +192,7 @@ async def call_teacher(
             out.error = f"{status} after {latency:.1f}s"
         if not retryable or attempt == teacher.max_retries:
             break
-        wait = backoff_s(attempt, retry_after, rng)
+        wait = backoff_s(attempt, retry_after, rng, teacher.retry_backoff_s)
         log.info("teacher %s: %s, retry %d/%d in %.2fs", teacher.name, status, attempt + 1, teacher.max_retries, wait)
         await sleep(wait)
     return out

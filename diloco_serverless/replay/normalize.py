@@ -95,11 +95,11 @@ def filter_pairs(
 def filter_pairs_dataset(dataset: Any, filters: PairFilters | None = None) -> Any:
     """The same filters on a 🤗 ``datasets.Dataset``: the kept rows, as a Dataset."""
     f = filters or PairFilters()
-    passing = dataset.filter(lambda row: reject_reason(row, f) is None)
+    passing = dataset.filter(lambda row: reject_reason(row, f) is None, keep_in_memory=True)
     if not f.dedup or len(passing) == 0:
         return passing
     hashes = passing.map(lambda row: {"_chosen_hash": text_hash(row["chosen"])},
-                         remove_columns=[])["_chosen_hash"]
+                         keep_in_memory=True)["_chosen_hash"]
     first: dict[str, int] = {}
     for i, h in enumerate(hashes):
         first.setdefault(h, i)

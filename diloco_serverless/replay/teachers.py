@@ -12,7 +12,8 @@ A teacher file is TOML (or JSON) with one ``[[teacher]]`` table per teacher (doc
     usd_per_m_output = 15.0
     max_tokens = 1024                         # answer cap sent with each request (the worst case)
 
-Optional: ``temperature`` (0.0), ``timeout_s`` (120), ``max_retries`` (4), ``reported_cost``
+Optional: ``temperature`` (0.0), ``timeout_s`` (120), ``max_retries`` (4), ``retry_backoff_s`` (0.5),
+``reported_cost``
 (true: settle a call at the cost the provider reports in ``usage.cost``, as OpenRouter does, when
 it reports one), ``extra_body`` (more request fields, e.g. ``{provider = {sort = "price"}}``).
 
@@ -57,6 +58,9 @@ class Teacher(BaseModel):
     temperature: float = Field(0.0, ge=0, le=2)
     timeout_s: float = Field(120.0, gt=0, description="Per-attempt timeout.")
     max_retries: int = Field(4, ge=0, le=20, description="Retries after 429, 5xx, timeouts, dropped connections.")
+    retry_backoff_s: float = Field(
+        0.5, ge=0, le=60, description="Backoff base: retry n waits uniform(0, base x 2^n) s, at most 30 s, or "
+        "the server's Retry-After when longer.")
     reported_cost: bool = Field(True, description="Settle at the provider's usage.cost when it reports one.")
     extra_body: dict[str, Any] = Field(default_factory=dict, description="More request fields.")
 
