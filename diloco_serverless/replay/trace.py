@@ -175,16 +175,18 @@ def messages_as_text(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, st
     return out
 
 
-def canonical_call(call: ToolCall) -> str:
-    """Canonical JSON of one tool call: name + arguments with sorted keys (at every depth), compact
-    separators. Arguments that were not JSON are kept as their whitespace-normalised string."""
+def canonical_call(call: ToolCall, *, compact: bool = True) -> str:
+    """Canonical JSON of one tool call: name + arguments with sorted keys (at every depth); compact
+    separators (the agreement key) or ``", "`` / ``": "`` (the flat text, whose words the normalizer
+    counts). Arguments that were not JSON are kept as their whitespace-normalised string."""
     args = call.arguments if isinstance(call.arguments, dict) else _SPACE.sub(" ", call.arguments).strip()
-    return json.dumps({"name": call.name, "arguments": args}, sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=False)
+    return json.dumps({"name": call.name, "arguments": args}, sort_keys=True,
+                      separators=(",", ":") if compact else (", ", ": "), ensure_ascii=False)
 
 
 def action_text(action: Action) -> str:
-    """The flat-string shape of an action: its text, then one canonical JSON line per tool call."""
+    """The flat-string shape of an action: its text, then one canonical JSON line per tool call
+    (``{"arguments": {...}, "name": "..."}``, keys sorted)."""
     parts = [action.content.strip()] if action.content and action.content.strip() else []
-    parts += [canonical_call(c) for c in action.tool_calls]
+    parts += [canonical_call(c, compact=False) for c in action.tool_calls]
     return "\n".join(parts)

@@ -45,7 +45,7 @@ def test_arguments_that_are_not_json_compare_as_normalised_strings() -> None:
 def test_action_text_is_canonical() -> None:
     a = parse_action({"content": " I will read it. ", "tool_calls": [{"name": "read", "arguments": {"z": 1, "a": 2}}]},
                      "t")
-    assert action_text(a) == 'I will read it.\n{"arguments":{"a":2,"z":1},"name":"read"}'
+    assert action_text(a) == 'I will read it.\n{"arguments": {"a": 2, "z": 1}, "name": "read"}'
 
 
 @pytest.mark.parametrize(("answers", "threshold", "key", "members", "tie"), [

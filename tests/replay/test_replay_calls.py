@@ -57,7 +57,7 @@ def test_pairs_hints_and_reasons(api_key: str) -> None:
     assert pair.n_teachers_agreeing == 3 and pair.teachers == ("a", "b", "c")
     assert pair.rejected == Action("student answer 0")
     row = pair.row()
-    assert row["chosen"] == 'a says list\n{"arguments":{"all":true,"path":"/"},"name":"ls"}'
+    assert row["chosen"] == 'a says list\n{"arguments": {"all": true, "path": "/"}, "name": "ls"}'
     assert row["rejected"] == "student answer 0"
     assert row["prompt"][-1] == {"role": "user", "content": "task 0: list the files"}
     assert row["chosen_messages"][-1] == {"role": "assistant", "content": row["chosen"]}
