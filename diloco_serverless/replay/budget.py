@@ -44,6 +44,7 @@ class Budget:
         self.exhausted = False
         self.overrun: str | None = None
         self._changed: asyncio.Condition | None = None
+        self._waiting = 0
 
     @property
     def remaining(self) -> float:
@@ -67,6 +68,9 @@ class Budget:
     async def reserve(self, usd: float) -> Reservation | None:
         """A reservation of ``usd``, waiting for calls in flight to settle while it does not fit; None
         once the budget is exhausted (it can never fit)."""
+        granted = self.try_reserve(usd)  # the common case: it fits (one event loop: no lock needed)
+        if granted is not None:
+            return granted
         cond = self._cond()
         async with cond:
             while True:
@@ -79,7 +83,11 @@ class Budget:
                     self.exhausted = True
                     cond.notify_all()
                     return None
-                await cond.wait()
+                self._waiting += 1
+                try:
+                    await cond.wait()
+                finally:
+                    self._waiting -= 1
 
     async def settle(self, reservation: Reservation, actual_usd: float) -> None:
         """Release ``reservation`` and add ``actual_usd`` to what was spent."""
@@ -91,6 +99,7 @@ class Budget:
         if actual_usd > reservation.usd + _EPS:
             self.overrun = (f"a call cost ${actual_usd:.6f}, more than its worst case ${reservation.usd:.6f}; the "
                             "teacher's prices or max_tokens are not upper bounds, fix them in the teacher file")
-        cond = self._cond()
-        async with cond:
-            cond.notify_all()
+        if self._waiting:
+            cond = self._cond()
+            async with cond:
+                cond.notify_all()

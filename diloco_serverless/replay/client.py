@@ -150,9 +150,8 @@ async def call_teacher(
         cost, retry_after = 0.0, None
         status: int | str = ""
         try:
-            resp = await asyncio.wait_for(
-                client.post(url, json=dict(request), headers=headers, timeout=teacher.timeout_s),
-                teacher.timeout_s + 1.0)
+            async with asyncio.timeout(teacher.timeout_s + 1.0):  # a whole-attempt deadline over httpx's per-phase
+                resp = await client.post(url, json=dict(request), headers=headers, timeout=teacher.timeout_s)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached the server: not billed
             status = type(exc).__name__
         except (TimeoutError, httpx.TimeoutException, httpx.TransportError) as exc:

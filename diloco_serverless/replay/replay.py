@@ -131,7 +131,7 @@ async def replay_trace(
 
     async def one(http: Any, state: State, teacher: Teacher) -> tuple[CallRecord, Action | None]:
         request = build_request(state, teacher)
-        digest = request_digest(_cache_key_body(teacher, request))
+        digest = request_digest(_cache_key_body(teacher, request)) if answer_cache is not None else ""
         if answer_cache is not None:
             entry = await answer_cache.aget(digest)
             if entry is not None:

@@ -7,7 +7,9 @@ and the usage (prompt and completion tokens) and ``usage.cost`` fields to report
 every request (body and headers) and what it billed: the sum of the costs of the answers it sent with
 status 200, which is what a provider would charge. ``max_concurrency`` makes it serve at most that
 many requests at once (the server's own limit; the others queue), and ``peak_in_flight`` says how
-many it ever held.
+many it ever held. ``GET /_stats`` returns those counters (``POST /_stats`` also resets them), for a
+server run in its own process: ``python tests/support/fake_openai.py --latency-ms 50
+--max-concurrency 16`` prints its URL and serves fixed answers until killed.
 """
 
 from __future__ import annotations
@@ -158,6 +160,11 @@ class FakeOpenAI:
 
     async def _handle(self, method: str, path: str, headers: dict[str, str],
                       raw: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:
+        if path.endswith("/_stats"):  # for a server in another process (benchmarks/replay.py)
+            stats = {"billed": self.billed, "answered": self.answered, "peak_in_flight": self.peak_in_flight}
+            if method == "POST":
+                self.billed, self.answered, self.peak_in_flight = 0.0, 0, 0
+            return 200, {}, stats
         if method != "POST" or not path.endswith("/chat/completions"):
             return 404, {}, {"error": {"message": f"no route {method} {path}"}}
         body = json.loads(raw or b"{}")
@@ -202,3 +209,29 @@ class FakeOpenAI:
             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
             "usage": usage,
         }
+
+
+def _main() -> None:
+    import argparse
+    import signal
+    import sys
+
+    ap = argparse.ArgumentParser(description="a fake OpenAI server with fixed answers (prints its URL)")
+    ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--cost", type=float, default=0.001, help="usage.cost of each answer")
+    args = ap.parse_args()
+
+    def script(req: Request) -> Reply:
+        return Reply(content=f"answer {req.model}", delay_s=args.latency_ms / 1000, completion_tokens=8,
+                     cost=args.cost)
+
+    server = FakeOpenAI(script, max_concurrency=args.max_concurrency)
+    server.start()
+    print(server.url, flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT}) if sys.platform != "win32" else None
+    server.stop()
+
+
+if __name__ == "__main__":
+    _main()
