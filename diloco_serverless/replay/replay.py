@@ -185,10 +185,12 @@ async def replay_trace(
 
     records = [results[(s.state_id, t.name)][0] for s, t in jobs]
     answers = {s.state_id: {t.name: results[(s.state_id, t.name)][1] for t in teachers} for s in states}
+    left = [(s, t) for (s, t) in jobs if results[(s.state_id, t.name)][0].status == "not_replayed"]
+    worst_left = max((t.worst_case_usd(prompt_token_bound(s.messages, s.tools)) for s, t in left), default=0.0)
     stopped = budget.overrun or (
-        f"budget ceiling: ${budget.spent:.4f} spent of ${budget.max_usd:.4f}; "
-        f"{sum(r.status == 'not_replayed' for r in records)} calls not replayed (re-run with the same cache "
-        "and a larger --max-usd to continue)" if budget.exhausted else None)
+        f"budget ceiling: ${budget.spent:.4f} spent of ${budget.max_usd:.4f}; {len(left)} calls not replayed "
+        f"(one of them may cost up to ${worst_left:.4f}); re-run with the same cache and a larger --max-usd to "
+        "continue" if budget.exhausted else None)
     return ReplayResult(list(states), list(teachers), answers, records, budget.spent, budget.max_usd, stopped,
                         time.monotonic() - start, budget.peak_committed)
 

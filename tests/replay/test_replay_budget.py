@@ -59,7 +59,7 @@ def test_budget_never_exceeded_under_concurrency(
                      cost=cost if reported else None, billed=cost, delay_s=rng.uniform(0.0, 0.02))
 
     server.script = script
-    server.billed = 0.0
+    server.billed, server.peak_in_flight = 0.0, 0
     mean_worst = sum(t.worst_case_usd(64) for t in ts) / len(ts)
     ceiling = ceiling_calls * mean_worst
     result = replay_trace_sync(TRACE, ts, max_total_usd=ceiling, concurrency=concurrency, seed=seed)
@@ -67,6 +67,7 @@ def test_budget_never_exceeded_under_concurrency(
     assert result.spent_usd <= ceiling + 1e-12
     assert result.peak_committed_usd <= ceiling + 1e-12
     assert result.spent_usd == pytest.approx(server.billed, abs=1e-12)
+    assert server.peak_in_flight <= concurrency
     statuses = {r.status for r in result.records}
     if result.stopped:
         assert "not_replayed" in statuses and "budget ceiling" in result.stopped

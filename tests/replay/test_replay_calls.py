@@ -229,3 +229,25 @@ def test_cache_entry_that_is_not_its_own_is_ignored(tmp_path: Path) -> None:
     other.write_bytes(p.read_bytes())  # an entry copied to another address
     assert cache.get("cd" * 32) is None
     assert parse_action(cache.get("ab" * 32)["answer"], "t") == Action("x")  # type: ignore[index]
+
+
+def test_cache_in_a_store_url_resumes_too(api_key: str) -> None:
+    """The cache can live in the store (any URL ObjectStore reads; memory:// here): a second run asks nothing."""
+    url = f"memory://replay-cache-{time.time_ns()}"
+    with FakeOpenAI(lambda req: text_reply(f"answer of {req.model}")) as server:
+        ts = [teacher(m, server.url) for m in "ab"]
+        first = replay_trace_sync(states(3), ts, max_total_usd=1.0, cache=url)
+        n = len(server.requests)
+        second = replay_trace_sync(states(3), ts, max_total_usd=0.0, cache=AnswerCache(url))
+    assert n == 6 and len(server.requests) == 6
+    assert {r.status for r in first.records} == {"ok"} and {r.status for r in second.records} == {"cached"}
+    assert second.answers == first.answers
+    assert [r.cached_cost_usd for r in second.records] == [r.cost_usd for r in first.records]
+
+
+def test_a_call_dearer_than_the_whole_budget_is_never_made(api_key: str) -> None:
+    with FakeOpenAI(lambda req: text_reply("x")) as server:
+        result = replay_trace_sync(states(2), [teacher("a", server.url, max_tokens=1000)], max_total_usd=0.0001)
+        assert server.requests == []
+    assert result.spent_usd == 0 and len(result.not_replayed) == 2
+    assert result.stopped and "one of them may cost up to $0.002" in result.stopped
