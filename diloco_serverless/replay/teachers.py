@@ -31,13 +31,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from diloco_serverless.replay.errors import ReplayInputError
 
 __all__ = ["PRESETS", "Teacher", "load_teachers", "prompt_token_bound", "teachers_from_data"]
 
 OPENROUTER_URL = "https://openrouter.ai/api/v1"
+_KEY_FIELDS = frozenset({"api_key", "key", "token", "api_token", "authorization", "secret", "password"})
 #: tokens a chat template adds around one message, at most (role markers, separators)
 TEMPLATE_TOKENS_PER_MESSAGE = 8
 
@@ -63,6 +64,16 @@ class Teacher(BaseModel):
         "the server's Retry-After when longer.")
     reported_cost: bool = Field(True, description="Settle at the provider's usage.cost when it reports one.")
     extra_body: dict[str, Any] = Field(default_factory=dict, description="More request fields.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            keys = sorted(k for k in data if str(k).lower() in _KEY_FIELDS)
+            if keys:
+                raise ValueError(f"{keys[0]!r}: never put API keys in the teacher file; export the key and name its "
+                                 "environment variable with api_key_env")
+        return data
 
     @field_validator("base_url")
     @classmethod
