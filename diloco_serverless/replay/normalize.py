@@ -12,8 +12,8 @@ Filters 1-3 look at the flat strings; the records keep every column (the ``chose
 ``rejected_messages`` chat shape included). Two engines give the same result (tested):
 :func:`filter_pairs` (plain Python over a list of dicts) and :func:`filter_pairs_dataset` (🤗
 ``datasets``: ``Dataset.filter`` + ``select``). ``py-data-juicer`` is not used: its 1.6 release pins
-``dill==0.3.8`` and ``multiprocess==0.70.16``, which conflict with the ``datasets`` 5.x this project
-pins (docs/data.md).
+``dill==0.3.8`` and ``multiprocess==0.70.16`` exactly, against the tested ``dill==0.4.1`` and
+``multiprocess==0.70.19`` of constraints.txt (docs/data.md).
 """
 
 from __future__ import annotations
