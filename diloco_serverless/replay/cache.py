@@ -56,6 +56,22 @@ class AnswerCache:
             raw = self.store.get(self.key(digest), max_bytes=_MAX_ENTRY)
         except ObjectNotFound:
             return None
+        return self._decode(raw, digest)
+
+    def get_many(self, digests: list[str]) -> dict[str, dict[str, Any]]:
+        """The entries present for ``digests`` ({digest: entry}): one listing of the cache, then the
+        present entries read concurrently."""
+        present = set(self.store.list("answers/"))
+        keys = {self.key(d): d for d in digests if self.key(d) in present}
+        out: dict[str, dict[str, Any]] = {}
+        for key, raw in self.store.get_many(list(keys), missing_ok=True, max_bytes=_MAX_ENTRY).items():
+            entry = self._decode(raw, keys[key])
+            if entry is not None:
+                out[keys[key]] = entry
+        return out
+
+    @staticmethod
+    def _decode(raw: bytes, digest: str) -> dict[str, Any] | None:
         try:
             entry = json.loads(raw)
         except ValueError:

@@ -128,12 +128,24 @@ async def replay_trace(
     for job in jobs:
         queue.put_nowait(job)
     start = time.monotonic()
+    requests = {(s.state_id, t.name): build_request(s, t) for s, t in jobs}
+    digests: dict[tuple[str, str], str] = {}
+    known: dict[str, dict[str, Any]] = {}
+    if answer_cache is not None:  # every lookup in one pass (one listing, concurrent reads), not one per call
+        digests = {k: request_digest(_cache_key_body(t, requests[k])) for k, t in
+                   (((s.state_id, t.name), t) for s, t in jobs)}
+        known = await asyncio.to_thread(answer_cache.get_many, list(digests.values()))
+    asking: dict[str, asyncio.Future[Action | None]] = {}  # identical requests in one trace are asked once
 
     async def one(http: Any, state: State, teacher: Teacher) -> tuple[CallRecord, Action | None]:
-        request = build_request(state, teacher)
-        digest = request_digest(_cache_key_body(teacher, request)) if answer_cache is not None else ""
+        request = requests[(state.state_id, teacher.name)]
+        digest = digests.get((state.state_id, teacher.name), "")
         if answer_cache is not None:
-            entry = await answer_cache.aget(digest)
+            entry = known.get(digest)
+            if entry is None and digest in asking:
+                action = await asyncio.shield(asking[digest])
+                if action is not None:
+                    return CallRecord(state.state_id, teacher.name, teacher.model, "cached", 0.0, 0, 0, 0.0, 0), action
             if entry is not None:
                 try:
                     action = parse_action(entry["answer"], f"cache entry {digest}")
@@ -146,7 +158,17 @@ async def replay_trace(
         if budget.exhausted or budget.overrun:
             return _not_replayed(state, teacher), None
         worst = teacher.worst_case_usd(prompt_token_bound(state.messages, state.tools))
-        out: CallOutcome = await call_teacher(http, teacher, request, worst, budget, rng=rng)
+        mine: asyncio.Future[Action | None] | None = None
+        if digest and digest not in asking:
+            mine = asking[digest] = asyncio.get_running_loop().create_future()
+        try:
+            out: CallOutcome = await call_teacher(http, teacher, request, worst, budget, rng=rng)
+        except BaseException:
+            if mine is not None:
+                mine.set_result(None)  # a follower then asks for itself
+            raise
+        if mine is not None:
+            mine.set_result(out.action)
         paid = out.cost_usd
         if out.budget_stop:  # the ceiling came before an answer (possibly after a retried attempt)
             return _not_replayed(state, teacher, paid, len(out.attempts)), None

@@ -251,3 +251,15 @@ def test_a_call_dearer_than_the_whole_budget_is_never_made(api_key: str) -> None
         assert server.requests == []
     assert result.spent_usd == 0 and len(result.not_replayed) == 2
     assert result.stopped and "one of them may cost up to $0.002" in result.stopped
+
+
+def test_identical_requests_in_one_trace_are_paid_once(api_key: str, tmp_path: Path) -> None:
+    """Two states with the same messages (a loop in the agent's trace) ask each teacher once."""
+    same = (({"role": "user", "content": "task 0: list the files"}),)
+    trace = [State("x", same, Action("a")), State("y", same, Action("b")), State("z", same, Action("c"))]
+    with FakeOpenAI(lambda req: text_reply("ls -la", delay_s=0.05)) as server:
+        result = replay_trace_sync(trace, [teacher("t", server.url)], max_total_usd=1.0, concurrency=3,
+                                   cache=tmp_path / "c")
+    assert len(server.requests) == 1
+    assert sorted(r.status for r in result.records) == ["cached", "cached", "ok"]
+    assert all(a["t"] == Action("ls -la") for a in result.answers.values())
