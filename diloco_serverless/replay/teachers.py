@@ -85,9 +85,10 @@ class Teacher(BaseModel):
     @field_validator("extra_body")
     @classmethod
     def _no_overrides(cls, v: dict[str, Any]) -> dict[str, Any]:
-        taken = sorted(set(v) & {"model", "messages", "tools", "max_tokens", "temperature"})
+        taken = sorted(set(v) & {"model", "messages", "tools", "max_tokens", "temperature", "stream", "n"})
         if taken:
-            raise ValueError(f"may not set {', '.join(taken)}: they are teacher fields or come from the trace")
+            raise ValueError(f"may not set {', '.join(taken)}: they are teacher fields, come from the trace, or "
+                             "would change the answer's shape (one non-streamed choice)")
         return v
 
     @property

@@ -95,6 +95,8 @@ def parse_action(raw: Any, where: str) -> Action:
         raise ReplayInputError(
             f"{where}: 'action' must be a string or an object with content and/or tool_calls, got {type(raw).__name__}")
     content = raw.get("content")
+    if isinstance(content, list):  # content parts (some providers answer so): the text parts, joined
+        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping)) or None
     if content is not None and not isinstance(content, str):
         raise ReplayInputError(f"{where}: action content must be a string or null, got {type(content).__name__}")
     calls = raw.get("tool_calls") or []

@@ -86,3 +86,8 @@ def test_trace_errors_name_the_line(tmp_path: Path) -> None:
     p.write_text(json.dumps(good) + "\n\n")
     [state] = load_trace(p)
     assert (state.state_id, state.action) == ("s1", Action("hello"))
+
+
+def test_content_parts_are_joined() -> None:
+    a = parse_action({"content": [{"type": "text", "text": "Run the "}, {"type": "text", "text": "tests"}]}, "t")
+    assert a == Action("Run the tests")

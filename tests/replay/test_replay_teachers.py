@@ -54,6 +54,8 @@ def test_toml_and_json_files(tmp_path: Path) -> None:
      '[[teacher]]\nname = "a"\nmodel = "n"\nusd_per_m_input = 1\nusd_per_m_output = 1\n', "a appear twice"),
     ('[[teacher]]\nname = "a"\nmodel = "m"\nusd_per_m_input = 1\nusd_per_m_output = 1\n'
      'extra_body = { model = "x" }\n', "may not set model"),
+    ('[[teacher]]\nname = "a"\nmodel = "m"\nusd_per_m_input = 1\nusd_per_m_output = 1\n'
+     'extra_body = { stream = true }\n', "may not set stream"),
     ("x = 1\n", "no teachers"),
     ("[[teacher]\n", "not valid TOML"),
 ])
