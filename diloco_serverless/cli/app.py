@@ -44,6 +44,7 @@ from diloco_serverless.cli.render import (
     summary_lines,
     text,
 )
+from diloco_serverless.cli.replay import replay as replay_command
 from diloco_serverless.errors import (
     ExecutorError,
     LaunchError,
@@ -68,6 +69,7 @@ app = typer.Typer(
 )
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+app.command("replay")(replay_command)  # `diloco replay`: teacher replay into preference pairs (cli/replay.py)
 
 #: Default ``--store-timeout`` of the commands that read a run (status, logs, cancel, ls, plot):
 #: short, for a person waiting at a terminal; ``launch`` uses the config's ``store_timeout_s``.

@@ -30,10 +30,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "executors": frozenset({"errors", "config", ""}),
     "tracking": frozenset({"errors", "config"}),
     "launcher": frozenset({"errors", "config", "store", "run", "executors", "tracking", ""}),
-    "cli": frozenset({"errors", "config", "store", "run", "executors", "tracking", "launcher", ""}),
+    "cli": frozenset({"errors", "config", "store", "run", "executors", "tracking", "launcher", "replay", ""}),
     "entrypoints": frozenset({"errors", "config", "store", "run", "exchange", "loss", "data", "trainer",
                               "executors"}),
     "testing": frozenset({"errors", "config", "store", "run", "exchange", "trainer"}),
+    "replay": frozenset({"errors", "config", "store"}),
     "": frozenset(),
 }
 
@@ -47,6 +48,7 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "executors": _NO_TORCH,
     "tracking": _NO_TORCH,
     "launcher": _NO_TORCH,
+    "replay": _NO_TORCH,
     "cli": frozenset({"torch", "torchft", "transformers", "safetensors.torch"}),
     "exchange": frozenset({"torchft", "transformers", "typer", "rich"}),
     "loss": frozenset({"torchft", "typer", "rich"}),
