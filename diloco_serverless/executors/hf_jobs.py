@@ -12,7 +12,7 @@ replica heals from the store's latest checkpoint. A setup error (exit code 2, se
 entrypoints/replica.py) is not retried: the Job's command prints ``SETUP_ERROR_MARKER`` and exits
 0, and ``poll`` reports that Job ``failed`` with the replica's ``error: ...`` line. The Hub does not
 tell a Job its attempt number, so ``DILOCO_ATTEMPT`` is not set. Stage mapping: SCHEDULING ->
-pending, RUNNING -> running, COMPLETED -> succeeded (failed when the log ends with the setup-error
+pending, RUNNING and UPDATING -> running, COMPLETED -> succeeded (failed when the log ends with the setup-error
 marker, continue when it ends with the continue marker), ERROR -> failed (with the Hub's status
 message), CANCELED -> cancelled, DELETED -> failed, any other stage -> unknown.
 
@@ -93,11 +93,35 @@ _MARKER_TAIL = 40
 _STAGES: dict[str, ReplicaStatus] = {
     "SCHEDULING": ReplicaStatus.PENDING,
     "RUNNING": ReplicaStatus.RUNNING,
+    "UPDATING": ReplicaStatus.RUNNING,  # a running Job whose settings change: it keeps running
     "COMPLETED": ReplicaStatus.SUCCEEDED,
     "ERROR": ReplicaStatus.FAILED,
     "CANCELED": ReplicaStatus.CANCELLED,
     "DELETED": ReplicaStatus.FAILED,
 }
+
+
+def tested_torch() -> str | None:
+    """``torch==<the version this process runs>`` (its local tag such as ``+cpu`` dropped), or None
+    without torch: the torch every test of this checkout ran on."""
+    try:
+        from importlib.metadata import version
+
+        installed = version("torch")
+    except Exception:
+        return None
+    return f"torch=={installed.split('+', 1)[0]}"
+
+
+def job_requirements(extras: Sequence[str]) -> list[str]:
+    """What a Job installs before the shipped wheel: the package's requirements with ``torch`` pinned to
+    :func:`tested_torch`. The image's own torch (:data:`DEFAULT_IMAGE` has 2.7.1, which ``torch>=2.7``
+    would keep) is replaced by the version the launcher runs and CI tests."""
+    pin = tested_torch()
+    reqs = package_requirements(extras)
+    if pin is None:
+        return reqs
+    return [pin if re.match(r"^torch\b(?![-_.\w])", r) else r for r in reqs]
 
 
 def _import_hub() -> Any:
@@ -133,7 +157,7 @@ def label_value(value: str) -> str:
 
 
 def flavor_gpus(flavor: str) -> int | None:
-    """GPUs per job of a Jobs hardware flavor: ``"h100x8"`` -> 8, ``"a10g-largex2"`` -> 2, ``"a100-large"``
+    """GPUs per job of a Jobs hardware flavor: ``"h200x8"`` -> 8, ``"a10g-largex2"`` -> 2, ``"a100-large"``
     -> 1, ``"cpu-basic"`` -> None (the flavor names carry the count as an ``x<N>`` suffix)."""
     if flavor.startswith("cpu"):
         return None
@@ -202,7 +226,7 @@ class HFJobsExecutor:
         if bad:
             raise ExecutorUnavailable(f"hf-jobs executor: extras must be plain names, got {bad}")
         self.flavor, self.image, self.timeout = flavor, image, timeout
-        #: GPUs of the flavor (``"h100x8"`` -> 8): the replica runs one local process per GPU
+        #: GPUs of the flavor (``"h200x8"`` -> 8): the replica runs one local process per GPU
         #: (``parallel.devices``, set from this by the launcher); None for a CPU flavor
         self.devices_per_replica: int | None = flavor_gpus(flavor)
         self._timeout_s = timeout_seconds(timeout)
@@ -331,7 +355,7 @@ class HFJobsExecutor:
             extras = f"[{','.join(self.extras)}]" if self.extras else ""
             steps += [
                 f"echo '[diloco] installing {code.filename}: the requirements, then the shipped wheel'",
-                f"{pip} {shlex.join(package_requirements(self.extras))} || exit $?",
+                f"{pip} {shlex.join(job_requirements(self.extras))} || exit $?",
                 f'python -c {shlex.quote(_fetch_source())} {shlex.quote(code.url)} {code.sha256} "{wheel}"'
                 " || { c=$?; [ \"$c\" = 2 ] && setup_error 'the shipped code was not installed'; exit \"$c\"; }",
                 f'{pip} "{wheel}{extras}" || exit $?',

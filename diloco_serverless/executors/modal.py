@@ -88,6 +88,8 @@ MAX_RETRIES = 10
 _CALL_ID = re.compile(r"^fc-[A-Za-z0-9]{1,64}$")
 #: the most calls a replica's chain may have (a 24 h cap: 1000 days; a 1 h cap: 41 days)
 MAX_CHAIN_CALLS = 1000
+#: the most log entries ``FunctionCall.logs.tail`` gives (modal ``_logs._FETCH_LIMIT``; more raises LogsFetchError)
+MAX_LOG_ENTRIES = 20_000
 
 
 def import_modal() -> Any:
@@ -483,8 +485,8 @@ class ModalExecutor:
         except exc_mod.OutputExpiredError:
             return state(ReplicaStatus.UNKNOWN, "the call ended, but Modal no longer keeps its result (older than its "
                          "retention); the replica's heartbeat in the store tells how it ended", ended=True)
-        except exc_mod.TimeoutError:
-            return self._unfinished(call, state)
+        except (TimeoutError, exc_mod.TimeoutError):  # ``get(timeout=0)`` of a call still running raises the
+            return self._unfinished(call, state)       # builtin TimeoutError (modal ``_Invocation.poll_function``)
         except exc_mod.InputCancellation:
             return state(ReplicaStatus.CANCELLED, "cancelled")
         except exc_mod.RemoteError as exc:
@@ -522,7 +524,7 @@ class ModalExecutor:
         except Exception as exc:  # best effort: the call graph is not a promise of Modal's
             return state(ReplicaStatus.UNKNOWN, f"not finished; Modal did not say whether it is queued or running "
                          f"({type(exc).__name__})")
-        mine = [i for i in graph if getattr(i, "function_call_id", None) == call.object_id]
+        mine = [i for i in _walk_call_graph(graph) if getattr(i, "function_call_id", None) == call.object_id]
         if not mine:
             return state(ReplicaStatus.UNKNOWN, "not finished; Modal did not say whether it is queued or running")
         if any(getattr(i, "task_id", "") for i in mine):
@@ -536,8 +538,13 @@ class ModalExecutor:
         return collect_by_polling(self, handles, timeout, poll_interval_s=self.poll_interval_s)
 
     def logs(self, handle: ReplicaHandle, tail: int | None = 200) -> str:
-        """The last ``tail`` log lines of the latest call of the rank's chain (``FunctionCall.logs.tail``)."""
-        entries = self._call(handle).logs.tail(entries=tail or 10_000)
+        """The last ``tail`` log lines of the latest call of the rank's chain (``FunctionCall.logs.tail``;
+        at most :data:`MAX_LOG_ENTRIES`, the SDK's own cap: a larger ``tail`` gives that many)."""
+        wanted = MAX_LOG_ENTRIES if not tail or tail <= 0 else min(int(tail), MAX_LOG_ENTRIES)
+        if tail and tail > MAX_LOG_ENTRIES:
+            logger.info("modal executor: Modal gives at most the last %d log entries of a call; asked for %d",
+                        MAX_LOG_ENTRIES, tail)
+        entries = self._call(handle).logs.tail(entries=wanted)
         return "\n".join(str(getattr(e, "message", e)).rstrip("\n") for e in entries)
 
     def cancel(self, handles: Sequence[ReplicaHandle]) -> None:
@@ -580,6 +587,17 @@ def _function_id(fn: Any) -> str | None:
         except Exception:
             return None
     return None
+
+
+def _walk_call_graph(nodes: Sequence[Any]) -> Iterator[Any]:
+    """Every input of a call graph, depth first: a call spawned inside a container (the next call of a
+    chain) is one of its parent input's ``children``, not a top-level input."""
+    stack, seen = list(reversed(list(nodes))), 0
+    while stack and seen < 100_000:
+        node = stack.pop()
+        seen += 1
+        yield node
+        stack.extend(reversed(list(getattr(node, "children", None) or ())))
 
 
 def _next_call_id(result: object) -> object:

@@ -44,10 +44,11 @@ def install_fake_modal(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType
 
 def call_result(outcome: Any, exception: types.ModuleType) -> Any:
     """What a fake ``FunctionCall.get`` does with a call's scripted ``outcome``: ``"running"`` raises
-    ``exception.TimeoutError`` (the call has not finished), an exception is raised, anything else is
+    the builtin ``TimeoutError`` (what the real ``FunctionCall.get(timeout=0)`` raises while the call has not
+    finished, from ``_Invocation.poll_function``), an exception is raised, anything else is
     the call's result."""
     if outcome == "running":
-        raise exception.TimeoutError()
+        raise TimeoutError()
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
