@@ -92,6 +92,15 @@ MAX_CHAIN_CALLS = 1000
 MAX_LOG_ENTRIES = 20_000
 
 
+#: how the calls of a launch live on after the launching process exits, by App mode (docs/executors.md,
+#: "Detached or deployed")
+APP_MODES = {
+    "detached": "an App run with detach=True for this launch: its calls keep running after this process exits; "
+                "`diloco doctor --executor modal` checks that on your account",
+    "deployed": "a deployed App (modal deploy): its calls do not depend on any launching process",
+}
+
+
 def import_modal() -> Any:
     """The ``modal`` SDK, or ExecutorUnavailable naming the extra to install."""
     try:
@@ -347,10 +356,13 @@ class ModalExecutor:
                 with app.run(detach=True, environment_name=self.environment_name):
                     calls = self._spawn_all(fn, chosen, entrypoint, args, plain)
                     app_id, app_name = app.app_id, app.name
+        mode = "detached" if app is not None else "deployed"
+        logger.info("modal executor: %d call(s) of %s in the %s App %s (%s)", len(calls), FUNCTION_NAME, mode,
+                    app_name, APP_MODES[mode])
         return [
             ReplicaHandle(kind=self.kind, rank=rank, data={
-                "function_call_id": fc.object_id, "app_id": app_id, "app_name": app_name, "gpu": self.gpu,
-                "run_id": run_id})
+                "function_call_id": fc.object_id, "app_id": app_id, "app_name": app_name, "app_mode": mode,
+                "gpu": self.gpu, "run_id": run_id})
             for rank, fc in zip(chosen, calls)
         ]
 

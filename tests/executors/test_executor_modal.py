@@ -226,7 +226,8 @@ def test_launch_builds_app_function_image_secrets_and_spawns(fake_modal: FakeMod
                          "DILOCO_CALL_TIMEOUT_S": "3600", "DILOCO_ATTEMPT": "0"})  # see test_continue_modal.py
     records = json.loads(json.dumps([h.to_json() for h in handles]))
     assert records[1] == {"kind": "modal", "rank": 1, "function_call_id": "fc-1", "app_id": "ap-123",
-                          "app_name": "diloco-run-m1", "gpu": "H100", "run_id": "run-m1"}
+                          "app_name": "diloco-run-m1", "app_mode": "detached", "gpu": "H100",
+                          "run_id": "run-m1"}
     assert "leak" not in json.dumps(records)
 
 
