@@ -1,8 +1,10 @@
-"""ModalExecutor against a fake ``modal`` module (SDK level), plus the remote function and a live smoke test.
+"""ModalExecutor: what a launch gives the SDK (against a recording fake ``modal`` module), and polls,
+collect and cancel through the real SDK against the fake Modal server (tests/support/modal_grpc_server.py);
+plus the remote function and a live smoke test.
 
-The fake records what App, app.function, Image, Secret, Retries, App.run and spawn receive, and scripts
-the outcome of ``FunctionCall.get(timeout=0)`` per call. Its ``exception`` attribute is the *real*
-``modal.exception`` module, so the executor is checked against the SDK's real exception names.
+The fake module records what App, app.function, Image, Secret, Retries, App.run and spawn receive (the
+real SDK's translation of the same options is checked in test_modal_real_sdk.py and
+test_modal_transport.py). Its ``exception`` attribute is the *real* ``modal.exception`` module.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from diloco_serverless.executors.base import (
 from diloco_serverless.executors.modal import ModalExecutor
 from diloco_serverless.executors.registry import executor_for_handle, get_executor
 from support import FAKE_REPLICA, REPO_ROOT, pythonpath_env
-from support.fake_modal import call_result, fake_modal_module, install_fake_modal
+from support.fake_modal import fake_modal_module, install_fake_modal
 
 modal_exception = pytest.importorskip("modal.exception")
 
@@ -39,30 +41,14 @@ RUN_URL = "s3://bucket/runs/run-m1"
 
 
 class FakeCall:
+    """What the launch keeps of a spawned call: its id (polls, logs and cancel run the real SDK against the
+    fake Modal server below)."""
+
     def __init__(self, fake: FakeModal, call_id: str, args: tuple[Any, ...]) -> None:
         self.fake, self.object_id, self.args = fake, call_id, args
-        self.logs = types.SimpleNamespace(tail=self._tail)
-
-    def get(self, timeout: float | None = None) -> Any:
-        self.fake.get_timeouts.append(timeout)
-        return call_result(self.fake.outcomes.get(self.object_id, "running"), modal_exception)
 
     def cancel(self, terminate_containers: bool = False) -> None:
         self.fake.cancelled.append((self.object_id, terminate_containers))
-
-    def get_call_graph(self) -> list[Any]:
-        graph = self.fake.graphs.get(self.object_id, "queued")
-        if isinstance(graph, BaseException):
-            raise graph
-        if graph == "absent":
-            return []
-        task = "ta-1" if graph == "running" else ""
-        return [types.SimpleNamespace(input_id="in-1", function_call_id=self.object_id, task_id=task, status=0,
-                                      function_name="run_replica", module_name="", children=[])]
-
-    def _tail(self, entries: int = 100) -> Iterator[Any]:
-        lines = [f"log line {i} of {self.object_id}\n" for i in range(3)]
-        return iter([types.SimpleNamespace(message=m) for m in lines[-entries:]])
 
 
 class FakeFunction:
@@ -103,14 +89,11 @@ class FakeModal:
         self.functions: list[FakeFunction] = []
         self.spawns: list[tuple[FakeFunction, tuple[Any, ...], bool]] = []
         self.calls: dict[str, FakeCall] = {}
-        self.outcomes: dict[str, Any] = {}
         self.cancelled: list[tuple[str, bool]] = []
-        self.get_timeouts: list[float | None] = []
         self.runs: list[dict[str, Any]] = []
         self.with_options: list[dict[str, Any]] = []
         self.from_name: list[tuple[Any, ...]] = []
         self.app_running = False
-        self.graphs: dict[str, Any] = {}
         self.output_enabled = False
         self.runs_with_output: list[bool] = []
 
@@ -229,72 +212,6 @@ def test_launch_builds_app_function_image_secrets_and_spawns(fake_modal: FakeMod
                           "app_name": "diloco-run-m1", "app_mode": "detached", "gpu": "H100",
                           "run_id": "run-m1"}
     assert "leak" not in json.dumps(records)
-
-
-def test_poll_maps_get_outcomes_to_states(fake_modal: FakeModal) -> None:
-    ex = ModalExecutor(gpu="A100", poll_interval_s=0.01)
-    handles = ex.launch_replicas(10, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
-    fake_modal.outcomes.update({
-        "fc-1": {"rank": 1, "exit_code": 0},
-        "fc-2": ReplicaProcessError("replica rank 2 exited with code 4; last output:\nboom"),
-        "fc-3": modal_exception.FunctionTimeoutError("Function timed out after 3600s"),
-        "fc-4": modal_exception.RemoteError("Input was cancelled by user"),
-        "fc-5": modal_exception.OutputExpiredError(),
-        "fc-6": modal_exception.InputCancellation(),
-        "fc-7": {"rank": 7, "exit_code": 2, "reason": "error: replica rank 7 of s3://b/r: RunNotFound: no run",
-                 "retried": False},
-    })
-    fake_modal.graphs.update({"fc-0": "queued", "fc-8": "running", "fc-9": modal_exception.ConnectionError("x")})
-    states = ex.poll(handles)
-    assert [s.status for s in states] == [
-        ReplicaStatus.PENDING, ReplicaStatus.SUCCEEDED, ReplicaStatus.FAILED, ReplicaStatus.FAILED,
-        ReplicaStatus.CANCELLED, ReplicaStatus.UNKNOWN, ReplicaStatus.CANCELLED, ReplicaStatus.FAILED,
-        ReplicaStatus.RUNNING, ReplicaStatus.UNKNOWN,
-    ]
-    assert states[2].exit_code == 4 and "ReplicaProcessError" in (states[2].reason or "")
-    assert "timed out" in (states[3].reason or "")
-    # finding 5: an expired result is not a failure: unknown, deferring to the heartbeat, and ended
-    assert "no longer keeps its result" in (states[5].reason or "") and "heartbeat" in (states[5].reason or "")
-    assert states[5].ended and not states[5].terminal and states[5].to_json()["status"] == "unknown"
-    # a queued call is not running; a setup error returned by the remote function is failed, code 2
-    assert states[0].reason == "queued: waiting for a container" and not states[0].ended
-    assert states[7].exit_code == 2 and "setup error, not retried: error: replica rank 7" in (states[7].reason or "")
-    assert "queued or running" in (states[9].reason or "")
-    assert set(fake_modal.get_timeouts) == {0}  # never blocks
-
-
-def test_collect_does_not_wait_forever_on_an_expired_result(fake_modal: FakeModal) -> None:
-    ex = ModalExecutor(gpu="A100", poll_interval_s=0.01)
-    handles = ex.launch_replicas(2, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
-    fake_modal.outcomes.update({"fc-0": {"exit_code": 0}, "fc-1": modal_exception.OutputExpiredError()})
-    with pytest.raises(ReplicaFailedError) as info:
-        ex.collect(handles, timeout=5)
-    assert "rank 1 unknown" in str(info.value) and [r.ok for r in info.value.results] == [True, False]
-
-
-def test_collect_names_failed_ranks_with_log_tail(fake_modal: FakeModal) -> None:
-    ex = ModalExecutor(gpu="A100", poll_interval_s=0.01)
-    handles = ex.launch_replicas(2, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
-    fake_modal.outcomes.update({
-        "fc-0": {"rank": 0, "exit_code": 0},
-        "fc-1": ReplicaProcessError("replica rank 1 exited with code 9; last output:\nboom"),
-    })
-    with pytest.raises(ReplicaFailedError) as info:
-        ex.collect(handles, timeout=5)
-    msg = str(info.value)
-    assert "rank(s) 1" in msg and "exit code 9" in msg and "log line 2 of fc-1" in msg
-
-
-def test_cancel_and_poll_from_handles_in_another_executor(fake_modal: FakeModal) -> None:
-    ex = ModalExecutor(gpu="T4")
-    records = [h.to_json() for h in ex.launch_replicas(2, "m", [], env={"DILOCO_RUN_URL": RUN_URL})]
-    handles = [handle_from_json(json.dumps(r)) for r in records]
-    other = executor_for_handle(handles[0])
-    assert isinstance(other, ModalExecutor) and other.gpu == "T4"
-    other.cancel(handles)
-    assert fake_modal.cancelled == [("fc-0", True), ("fc-1", True)]
-    fake_modal.outcomes.update({"fc-0": modal_exception.InputCancellation(), "fc-1": {"exit_code": 0}})
-    assert [s.status for s in other.poll(handles)] == [ReplicaStatus.CANCELLED, ReplicaStatus.SUCCEEDED]
 
 
 def test_deployed_app_uses_function_from_name(fake_modal: FakeModal) -> None:
@@ -469,3 +386,93 @@ def test_the_run_key_reaches_modal_replicas_in_the_call_inputs(fake_modal: FakeM
         assert args[3] == {"DILOCO_RUN_URL": RUN_URL, "DILOCO_RUN_KEY": key, "DILOCO_CALL_TIMEOUT_S": "86400",
                            "DILOCO_ATTEMPT": "0"}
     assert key not in json.dumps([h.to_json() for h in handles])
+
+
+# --- polls, collect and cancel: the real SDK against the fake Modal server ---------------------------------
+@pytest.fixture
+def srv(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from support.modal_grpc_server import fake_modal as fake_modal_server
+
+    with fake_modal_server(monkeypatch) as server:
+        yield server
+
+
+def _ids(handles: list[Any]) -> list[str]:
+    return [h.data["function_call_id"] for h in handles]
+
+
+def test_poll_maps_modal_outcomes_to_states(srv: Any) -> None:
+    ex = ModalExecutor(gpu=None, poll_interval_s=0.01, show_output=False)
+    handles = ex.launch_replicas(7, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    ids = _ids(handles)
+    srv.finish(ids[1], {"rank": 1, "exit_code": 0})
+    srv.fail(ids[2], ReplicaProcessError("replica rank 2 exited with code 4; last output:\nboom"))
+    srv.time_out(ids[3])
+    srv.expire(ids[4])
+    srv.finish(ids[5], {"rank": 5, "exit_code": 2, "reason": "error: replica rank 5 of s3://b/r: RunNotFound: no run",
+                        "retried": False})
+    srv.start(ids[6])
+    states = ex.poll(handles)
+    assert [s.status for s in states] == [
+        ReplicaStatus.PENDING, ReplicaStatus.SUCCEEDED, ReplicaStatus.FAILED, ReplicaStatus.FAILED,
+        ReplicaStatus.UNKNOWN, ReplicaStatus.FAILED, ReplicaStatus.RUNNING,
+    ]
+    assert states[2].exit_code == 4 and "ReplicaProcessError" in (states[2].reason or "")
+    assert "timed out" in (states[3].reason or "")
+    # an expired result is not a failure: unknown, deferring to the heartbeat, and ended
+    assert "no longer keeps its result" in (states[4].reason or "") and "heartbeat" in (states[4].reason or "")
+    assert states[4].ended and not states[4].terminal and states[4].to_json()["status"] == "unknown"
+    # a queued call is not running; a setup error returned by the remote function is failed, code 2
+    assert states[0].reason == "queued: waiting for a container" and not states[0].ended
+    assert states[5].exit_code == 2 and "setup error, not retried: error: replica rank 5" in (states[5].reason or "")
+    assert {r.timeout for r in srv.sent("FunctionGetOutputs")} == {0}  # never blocks
+
+
+def test_a_call_graph_modal_does_not_give_is_unknown(srv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from grpclib import GRPCError, Status
+
+    ex = ModalExecutor(gpu=None, show_output=False)
+    (handle,) = ex.launch_replicas(1, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+
+    def unavailable(req: Any) -> Any:
+        raise GRPCError(Status.INVALID_ARGUMENT, "call graph unavailable")
+
+    monkeypatch.setattr(srv, "rpc_FunctionGetCallGraph", unavailable)
+    (state,) = ex.poll([handle])
+    assert state.status is ReplicaStatus.UNKNOWN and "queued or running" in (state.reason or "")
+
+
+def test_collect_does_not_wait_forever_on_an_expired_result(srv: Any) -> None:
+    ex = ModalExecutor(gpu=None, poll_interval_s=0.01, show_output=False)
+    handles = ex.launch_replicas(2, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    srv.finish(_ids(handles)[0], {"exit_code": 0})
+    srv.expire(_ids(handles)[1])
+    with pytest.raises(ReplicaFailedError) as info:
+        ex.collect(handles, timeout=5)
+    assert "rank 1 unknown" in str(info.value) and [r.ok for r in info.value.results] == [True, False]
+
+
+def test_collect_names_failed_ranks_with_log_tail(srv: Any) -> None:
+    ex = ModalExecutor(gpu=None, poll_interval_s=0.01, show_output=False)
+    handles = ex.launch_replicas(2, "m", [], env={"DILOCO_RUN_URL": RUN_URL})
+    ids = _ids(handles)
+    srv.finish(ids[0], {"rank": 0, "exit_code": 0})
+    srv.log(ids[1], "log line 0", "log line 1", "boom at step 3")
+    srv.fail(ids[1], ReplicaProcessError("replica rank 1 exited with code 9; last output:\nboom"))
+    with pytest.raises(ReplicaFailedError) as info:
+        ex.collect(handles, timeout=5)
+    msg = str(info.value)
+    assert "rank(s) 1" in msg and "exit code 9" in msg and "boom at step 3" in msg
+
+
+def test_cancel_and_poll_from_handles_in_another_executor(srv: Any) -> None:
+    ex = ModalExecutor(gpu="T4", show_output=False)
+    records = [h.to_json() for h in ex.launch_replicas(2, "m", [], env={"DILOCO_RUN_URL": RUN_URL})]
+    handles = [handle_from_json(json.dumps(r)) for r in records]
+    other = executor_for_handle(handles[0], show_output=False)
+    assert isinstance(other, ModalExecutor) and other.gpu == "T4"
+    srv.finish(_ids(handles)[1], {"exit_code": 0})
+    other.cancel(handles[:1])
+    assert [(r.function_call_id, r.terminate_containers) for r in srv.sent("FunctionCallCancel")] == [
+        (_ids(handles)[0], True)]
+    assert [s.status for s in other.poll(handles)] == [ReplicaStatus.CANCELLED, ReplicaStatus.SUCCEEDED]

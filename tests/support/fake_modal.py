@@ -9,6 +9,10 @@ it is put in place of the real one.
 The executor is checked against the SDK's real exception names: the caller passes the real
 ``modal.exception`` module (from ``pytest.importorskip("modal.exception")``, so a machine without the
 SDK skips the test instead of failing to import this module).
+
+Only what a launch hands the SDK is faked here. Whatever depends on Modal's answers (polls, results,
+call graphs, logs, cancel, chains) runs the real SDK against the fake Modal server instead
+(tests/support/modal_grpc_server.py), so a test cannot agree with a behaviour the SDK never has.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["call_result", "fake_modal_module", "install_fake_modal"]
+__all__ = ["fake_modal_module", "install_fake_modal"]
 
 
 def fake_modal_module(exception: types.ModuleType, **parts: Any) -> types.ModuleType:
@@ -41,14 +45,3 @@ def install_fake_modal(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType
     monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
     monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
 
-
-def call_result(outcome: Any, exception: types.ModuleType) -> Any:
-    """What a fake ``FunctionCall.get`` does with a call's scripted ``outcome``: ``"running"`` raises
-    the builtin ``TimeoutError`` (what the real ``FunctionCall.get(timeout=0)`` raises while the call has not
-    finished, from ``_Invocation.poll_function``), an exception is raised, anything else is
-    the call's result."""
-    if outcome == "running":
-        raise TimeoutError()
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return outcome
