@@ -33,7 +33,8 @@ executor builds a wheel of the running package (``_package.build_wheel``: from a
 the installed files, deterministic, version ``<version>+src.<content hash>``), hands it to the
 ``code_uploader`` the launcher set (:meth:`HFJobsExecutor.set_code_uploader`; the launcher stores
 it in the run's own store, ``<run>/code/<wheel>``), and each Job then installs the package's
-requirements from the index, fetches the wheel with the run's storage credentials, checks its
+requirements from the index (``torch`` pinned to the launcher's version, replacing the image's 2.7.1:
+``_package.job_requirements``), fetches the wheel with the run's storage credentials, checks its
 SHA-256 against the one in the Job's command (``_fetch_code.py``) and ``pip install``s it with
 ``extras``. ``install="<pip requirement>"`` installs that instead (e.g. a published release), and
 ``install=None`` runs an image that already has the package.
@@ -52,7 +53,7 @@ from typing import Any
 
 from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors import _fetch_code
-from diloco_serverless.executors._package import build_wheel, package_requirements
+from diloco_serverless.executors._package import build_wheel, job_requirements
 from diloco_serverless.executors.base import (
     ATTEMPT_TIMEOUT_ENV,
     CODE_SHA256_ENV,
@@ -99,29 +100,6 @@ _STAGES: dict[str, ReplicaStatus] = {
     "CANCELED": ReplicaStatus.CANCELLED,
     "DELETED": ReplicaStatus.FAILED,
 }
-
-
-def tested_torch() -> str | None:
-    """``torch==<the version this process runs>`` (its local tag such as ``+cpu`` dropped), or None
-    without torch: the torch every test of this checkout ran on."""
-    try:
-        from importlib.metadata import version
-
-        installed = version("torch")
-    except Exception:
-        return None
-    return f"torch=={installed.split('+', 1)[0]}"
-
-
-def job_requirements(extras: Sequence[str]) -> list[str]:
-    """What a Job installs before the shipped wheel: the package's requirements with ``torch`` pinned to
-    :func:`tested_torch`. The image's own torch (:data:`DEFAULT_IMAGE` has 2.7.1, which ``torch>=2.7``
-    would keep) is replaced by the version the launcher runs and CI tests."""
-    pin = tested_torch()
-    reqs = package_requirements(extras)
-    if pin is None:
-        return reqs
-    return [pin if re.match(r"^torch\b(?![-_.\w])", r) else r for r in reqs]
 
 
 def _import_hub() -> Any:

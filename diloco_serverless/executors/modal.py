@@ -11,10 +11,10 @@ pass ``deployed_app="diloco-serverless"``: launches then use ``Function.from_nam
 launch's GPU, secrets, timeout and retries (``retries=0`` included) set by ``with_options``.
 
 Image: ``debian_slim`` (this Python version) with this package's requirements (from the checkout's
-pyproject.toml, or the installed metadata) plus the source of the running package
-(``Image.add_local_python_source``, which works for a checkout and for an installed package in
-site-packages, pipx or ``uv tool`` alike): every replica runs the code that launched it. Installing
-a published release instead is explicit: ``local_source=False`` pip-installs
+pyproject.toml, or the installed metadata; ``torch`` pinned to the version the launcher runs) plus the
+source of the running package (``Image.add_local_python_source``, which works for a checkout and
+for an installed package in site-packages, pipx or ``uv tool`` alike): every replica runs the code
+that launched it. Installing a published release instead is explicit: ``local_source=False`` pip-installs
 ``diloco-serverless[<extras>]==<this version>``, ``package=`` names any pip requirement, or pass
 your own ``image``. Launches run inside ``modal.enable_output()`` (``show_output=True``), so the first
 image build shows its progress. Storage credentials reach the containers only through Modal
@@ -56,7 +56,13 @@ from diloco_serverless import __version__
 from diloco_serverless.config import RUN_KEY_ENV
 from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors import _package
-from diloco_serverless.executors._package import DIST_NAME, IMPORT_NAME, package_requirements, source_checkout_root
+from diloco_serverless.executors._package import (
+    DIST_NAME,
+    IMPORT_NAME,
+    job_requirements,
+    package_requirements,
+    source_checkout_root,
+)
 from diloco_serverless.executors._remote import CALL_TIMEOUT_ENV, FUNCTION_ID_ENV, run_replica_process
 from diloco_serverless.executors.base import (
     CONTINUE_EXIT_CODE,
@@ -160,7 +166,7 @@ def default_image(modal: Any, *, extras: Sequence[str] = ("s3", "gcs"), package:
         root = source_checkout_root()
         where = f"the checkout {root}" if root is not None else f"the installed package at {_package.PACKAGE_DIR}"
         logger.info("modal executor: shipping the source of %s from %s to the image", DIST_NAME, where)
-        return image.pip_install(*package_requirements(extras)).add_local_python_source(IMPORT_NAME)
+        return image.pip_install(*job_requirements(extras)).add_local_python_source(IMPORT_NAME)
     spec = package or f"{DIST_NAME}[{','.join(extras)}]=={__version__}"
     return image.pip_install(spec)
 

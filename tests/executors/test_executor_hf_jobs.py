@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("huggingface_hub")
 
 from diloco_serverless.errors import ExecutorError
-from diloco_serverless.executors import ReplicaStatus, hf_jobs
+from diloco_serverless.executors import ReplicaStatus, _package
 from diloco_serverless.executors.base import (
     ExecutorUnavailable,
     ReplicaFailedError,
@@ -154,8 +154,8 @@ def test_default_ships_the_running_code_and_published_releases_are_explicit() ->
     assert '"${TMPDIR:-/tmp}/diloco-code/diloco_serverless-0.1.0+src.abc-py3-none-any.whl[s3,gcs,hf]"' in script
     assert "'s3fs>=2024.6'" in script  # the requirements, from the index
     # with torch pinned to the version the launcher runs (the image's own 2.7.1 is what CI never tests)
-    assert f" {hf_jobs.tested_torch()} " in script and "torch>=2.7" not in script
-    assert hf_jobs.tested_torch() == f"torch=={version('torch').split('+')[0]}"
+    assert f" {_package.tested_torch()} " in script and "torch>=2.7" not in script
+    assert _package.tested_torch() == f"torch=={version('torch').split('+')[0]}"
     assert "python -m diloco_serverless.entrypoints.replica --run-url s3://b/r &" in script
     with pytest.raises(ExecutorError, match="needs the shipped code"):
         ex.command("m", [])

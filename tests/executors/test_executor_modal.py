@@ -38,6 +38,8 @@ from support.fake_modal import fake_modal_module, install_fake_modal
 modal_exception = pytest.importorskip("modal.exception")
 
 RUN_URL = "s3://bucket/runs/run-m1"
+#: the image pins torch to the version this process runs (and CI tests), whatever the requirements say
+TORCH = _package.tested_torch()
 
 
 class FakeCall:
@@ -196,7 +198,7 @@ def test_launch_builds_app_function_image_secrets_and_spawns(fake_modal: FakeMod
     assert opts["retries"] == ("retries", {"max_retries": 4, "backoff_coefficient": 2.0, "initial_delay": 10.0})
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     # an installed (non-editable) package ships its own source too, with its installed requirements
-    assert opts["image"].ops == [("debian_slim", py), ("pip_install", ("torch>=2.7", "fsspec>=2024.6",
+    assert opts["image"].ops == [("debian_slim", py), ("pip_install", (TORCH, "fsspec>=2024.6",
                                  "s3fs>=2024.6", "gcsfs>=2024.6")), ("add_local_python_source", ("diloco_serverless",))]
     assert fake_modal.runs == [{"detach": True, "environment_name": None}]
     assert fake_modal.runs_with_output == [True]  # modal.enable_output(): the first image build shows progress
@@ -257,7 +259,7 @@ def test_default_image_ships_the_source_of_a_checkout(fake_modal: FakeModal, tmp
         '[project.optional-dependencies]\ns3 = ["s3fs>=9"]\ndev = ["moto[server]>=5; python_version>\'3\'"]\n')
     monkeypatch.setattr(_package, "PACKAGE_DIR", checkout / "diloco_serverless")
     ops = _image_ops(fake_modal, extras=("s3", "dev"))
-    assert ops[1:] == [("pip_install", ("torch>=9", "s3fs>=9", "moto[server]>=5")),
+    assert ops[1:] == [("pip_install", (TORCH, "s3fs>=9", "moto[server]>=5")),
                        ("add_local_python_source", ("diloco_serverless",))]
     # an explicit package= or local_source=False pip-installs even from a checkout
     assert _image_ops(fake_modal, package="git+https://example/x.git")[1:] == [
@@ -275,10 +277,10 @@ def test_default_image_ships_the_source_of_an_installed_package(fake_modal: Fake
         (installed_wheel.parent / "pyproject.toml").write_text(pyproject)
     assert modal_executor.source_checkout_root() is None
     ops = _image_ops(fake_modal)
-    assert ops[1:] == [("pip_install", ("torch>=2.7", "fsspec>=2024.6", "s3fs>=2024.6", "gcsfs>=2024.6")),
+    assert ops[1:] == [("pip_install", (TORCH, "fsspec>=2024.6", "s3fs>=2024.6", "gcsfs>=2024.6")),
                        ("add_local_python_source", ("diloco_serverless",))]
     assert _image_ops(fake_modal, local_source="auto") == ops
-    assert _image_ops(fake_modal, extras=("s3",))[1][1] == ("torch>=2.7", "fsspec>=2024.6", "s3fs>=2024.6")
+    assert _image_ops(fake_modal, extras=("s3",))[1][1] == (TORCH, "fsspec>=2024.6", "s3fs>=2024.6")
     assert _image_ops(fake_modal, local_source=False)[1:] == [("pip_install", ("diloco-serverless[s3,gcs]==0.1.0",))]
     with pytest.raises(ExecutorUnavailable, match="local_source must be true, false or auto"):
         ModalExecutor(local_source="yes")
