@@ -40,7 +40,9 @@ FAKE = FAKE_REPLICA
 
 @pytest.fixture
 def hub() -> Iterator[FakeHFJobsServer]:
-    with FakeHFJobsServer() as srv:
+    # idle log streams end after 0.5 s here (the SDK's own 5 s read timeout would add 5 s per log read);
+    # test_logs_from_a_stream_that_stays_open keeps the Hub's behaviour
+    with FakeHFJobsServer(log_stream_close_s=0.5) as srv:
         yield srv
 
 
@@ -337,3 +339,20 @@ def test_a_job_being_updated_is_running(hub: FakeHFJobsServer, job_env: dict[str
     (state,) = ex.poll([handle])
     assert state.status is ReplicaStatus.RUNNING and state.detail["stage"] == "UPDATING"
     ex.cancel([handle])
+
+
+def test_logs_from_a_stream_that_stays_open(job_env: dict[str, str]) -> None:
+    """The Hub's log stream stays open after its replay (keep-alives, new lines as they come): the SDK ends a
+    no-follow read itself (its 5 s read timeout, or a line newer than the response's Date)."""
+    with FakeHFJobsServer() as srv:
+        ex = HFJobsExecutor(endpoint=srv.url, token=srv.token, install=None, poll_interval_s=0.05)
+        handles = ex.launch_replicas(1, FAKE, [], env=job_env)
+        (result,) = ex.collect(handles, timeout=60)
+        assert result.ok
+        assert "fake replica rank=0" in ex.logs(handles[0], tail=20)
+        running = ex.launch_replicas(1, FAKE, ["--sleep-s", "30"], env=job_env)
+        deadline = time.monotonic() + 20
+        while "fake replica rank=0" not in (text := ex.logs(running[0], tail=20)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "fake replica rank=0" in text  # read while the Job runs and its stream stays open
+        ex.cancel(running)

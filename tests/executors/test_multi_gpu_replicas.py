@@ -65,7 +65,7 @@ def test_hf_jobs_flavor_gpus_and_submitted_flavor() -> None:
         n = flavor_gpus(flavor)
         assert (n is None) == flavor.startswith("cpu"), flavor
     assert flavor_gpus("h200x8") == 8 and flavor_gpus("a10g-largex2") == 2 and flavor_gpus("a100-large") == 1
-    with FakeHFJobsServer() as srv:
+    with FakeHFJobsServer(log_stream_close_s=0.5) as srv:
         ex = get_executor("hf-jobs", flavor="h200x8", image="python:3.11", endpoint=srv.url, token=srv.token,
                           install=None, forward_credentials=False, poll_interval_s=0.1)
         assert ex.devices_per_replica == 8
