@@ -104,25 +104,25 @@ CHECKS = (
 def run_doctor(kind: str, store_url: str, *, gpu: str | None = None, executor_options: dict[str, Any] | None = None,
                cap_s: float | None = None, hold_s: float = 5.0, timeout_s: float = 1200.0,
                poll_interval_s: float | None = None, say: Callable[[str], None] = print,
-               executor: ServerlessExecutor | None = None) -> DoctorReport:
+               extra_env: dict[str, str] | None = None) -> DoctorReport:
     """Run the live check (see the module docstring) and return its table; never leaves replicas running.
 
-    ``executor`` replaces the one built from ``kind`` / ``gpu`` / ``executor_options`` (tests)."""
+    ``extra_env`` goes to the replicas besides the run's URL and key (plain settings only: the executors
+    drop credential-looking variables, which travel as their secrets)."""
     if kind not in CAP_OPTION:
         raise LaunchError(f"diloco doctor: unknown executor {kind!r}; use one of {', '.join(CAP_OPTION)}")
     from diloco_serverless.launcher.preflight import check_store_reachable
 
     check_store_reachable(store_url, kind)
     cap = float(cap_s if cap_s is not None else DEFAULT_CAP_S[kind])
-    if executor is None:
-        options = {**DEFAULT_OPTIONS[kind], CAP_OPTION[kind]: int(cap) if kind != "local" else cap,
-                   **(executor_options or {})}
-        executor = build_executor(kind, gpu, options)
+    options = {**DEFAULT_OPTIONS[kind], CAP_OPTION[kind]: int(cap) if kind != "local" else cap,
+               **(executor_options or {})}
+    executor = build_executor(kind, gpu, options)
     run_id = f"doctor-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     run_url = join_run_url(store_url, run_id)
     store = ObjectStore(run_url)
     key_hex = new_run_key()
-    env = {"DILOCO_RUN_URL": run_url, RUN_KEY_ENV: key_hex}
+    env = {**(extra_env or {}), "DILOCO_RUN_URL": run_url, RUN_KEY_ENV: key_hex}
     report = DoctorReport(executor=kind, run_url=run_url, checks=[Check(n) for n in CHECKS])
     setter = getattr(executor, "set_code_uploader", None)
     if callable(setter):  # HF Jobs ship the running code through the run's store, as a launch does

@@ -103,3 +103,23 @@ def test_live_hf_jobs_doctor() -> None:
     secrets = [k for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION") if os.environ.get(k)]
     report = run_doctor("hf-jobs", os.environ["DILOCO_LIVE_STORE"], executor_options={"secrets": secrets})
     assert report.ok, report.table()
+
+
+@pytest.mark.slow
+def test_doctor_on_hf_jobs_through_the_sdk(monkeypatch: pytest.MonkeyPatch, s3_store_url: str,
+                                           s3_env: dict[str, str]) -> None:
+    """The real ``HfApi`` against the fake Jobs server (Jobs run as local processes): HF Jobs do not chain,
+    so rank 1's Job ends ``continue`` at the cap and the doctor starts its next attempt as a Job."""
+    pytest.importorskip("huggingface_hub")
+    from support.fake_hf_jobs_server import FakeHFJobsServer
+
+    for k, v in s3_env.items():
+        monkeypatch.setenv(k, v)
+    with FakeHFJobsServer(log_stream_close_s=0.5) as hub:
+        report = run_doctor("hf-jobs", f"{s3_store_url}/runs", cap_s=8, hold_s=2, timeout_s=120,
+                            poll_interval_s=0.3, extra_env={"PYTHONPATH": pythonpath_env()},
+                            executor_options={"endpoint": hub.url, "token": hub.token, "install": None})
+        assert report.ok, report.table()
+        assert len(hub.jobs) == 3  # rank 0, rank 1's first Job, rank 1's next attempt
+        stages = sorted(job.stage for job in hub.jobs.values())
+        assert stages == ["CANCELED", "COMPLETED", "COMPLETED"]
