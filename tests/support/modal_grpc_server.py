@@ -84,6 +84,8 @@ class FakeModalServer:
 
     def __init__(self, *, execute: bool = False, container_env: dict[str, str] | None = None) -> None:
         self.execute, self.container_env = execute, dict(container_env or {})
+        #: the Modal Secrets the workspace has (None: any name looked up exists)
+        self.secrets: set[str] | None = None
         self.requests: list[tuple[str, Any]] = []
         self.apps: dict[str, dict[str, Any]] = {}
         self.functions: dict[str, dict[str, Any]] = {}
@@ -242,6 +244,8 @@ class FakeModalServer:
         return [api_pb2.TaskLogsBatch(app_done=True, entry_id="1-0")]
 
     def rpc_SecretGetOrCreate(self, req: Any) -> Any:  # noqa: N802
+        if self.secrets is not None and req.deployment_name not in self.secrets:
+            raise GRPCError(Status.NOT_FOUND, f"Secret '{req.deployment_name}' not found")
         return api_pb2.SecretGetOrCreateResponse(secret_id=self._next("st"))
 
     def rpc_ImageGetOrCreate(self, req: Any) -> Any:  # noqa: N802
