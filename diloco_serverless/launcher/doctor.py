@@ -23,7 +23,10 @@ who reports a platform problem to run (docs/executors.md, "First run on a real a
 
 from __future__ import annotations
 
+import json
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,8 +35,14 @@ from typing import Any
 
 from diloco_serverless.config import RUN_KEY_ENV
 from diloco_serverless.errors import LaunchError, one_line
-from diloco_serverless.executors.base import ReplicaHandle, ReplicaState, ReplicaStatus, ServerlessExecutor
-from diloco_serverless.executors.registry import build_executor
+from diloco_serverless.executors.base import (
+    ReplicaHandle,
+    ReplicaState,
+    ReplicaStatus,
+    ServerlessExecutor,
+    handle_from_json,
+)
+from diloco_serverless.executors.registry import build_executor, executor_for_handle
 from diloco_serverless.run.integrity import new_run_key, parse_run_key, verify_json
 from diloco_serverless.run.record import join_run_url
 from diloco_serverless.store.objectstore import ObjectStore
@@ -104,11 +113,13 @@ CHECKS = (
 def run_doctor(kind: str, store_url: str, *, gpu: str | None = None, executor_options: dict[str, Any] | None = None,
                cap_s: float | None = None, hold_s: float = 5.0, timeout_s: float = 1200.0,
                poll_interval_s: float | None = None, say: Callable[[str], None] = print,
-               extra_env: dict[str, str] | None = None) -> DoctorReport:
+               extra_env: dict[str, str] | None = None, launch_in_child: bool = True) -> DoctorReport:
     """Run the live check (see the module docstring) and return its table; never leaves replicas running.
 
     ``extra_env`` goes to the replicas besides the run's URL and key (plain settings only: the executors
-    drop credential-looking variables, which travel as their secrets)."""
+    drop credential-looking variables, which travel as their secrets). With ``launch_in_child`` (the
+    default) the replicas are launched by a child process that exits before the first poll, as a
+    launcher on a laptop that is closed: everything after is done from their handles alone."""
     if kind not in CAP_OPTION:
         raise LaunchError(f"diloco doctor: unknown executor {kind!r}; use one of {', '.join(CAP_OPTION)}")
     from diloco_serverless.launcher.preflight import check_store_reachable
@@ -117,27 +128,28 @@ def run_doctor(kind: str, store_url: str, *, gpu: str | None = None, executor_op
     cap = float(cap_s if cap_s is not None else DEFAULT_CAP_S[kind])
     options = {**DEFAULT_OPTIONS[kind], CAP_OPTION[kind]: int(cap) if kind != "local" else cap,
                **(executor_options or {})}
-    executor = build_executor(kind, gpu, options)
+    executor = build_executor(kind, gpu, dict(options))
     run_id = f"doctor-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     run_url = join_run_url(store_url, run_id)
     store = ObjectStore(run_url)
     key_hex = new_run_key()
     env = {**(extra_env or {}), "DILOCO_RUN_URL": run_url, RUN_KEY_ENV: key_hex}
     report = DoctorReport(executor=kind, run_url=run_url, checks=[Check(n) for n in CHECKS])
-    setter = getattr(executor, "set_code_uploader", None)
-    if callable(setter):  # HF Jobs ship the running code through the run's store, as a launch does
-        def upload(filename: str, data: bytes) -> str:
-            store.put(f"code/{filename}", data)
-            return f"{store.url}/code/{filename}"
-
-        setter(upload)
+    _ship_code_through(store, executor)
     args = ["--run-url", run_url, "--chain-rank", str(CHAIN_RANK), "--hold-s", str(hold_s),
             "--chain-hold-s", str(timeout_s)]
     handles: list[ReplicaHandle] = []
+    spec = {"kind": kind, "gpu": gpu, "options": options, "args": args, "env": env, "run_url": run_url}
     try:
-        _drive(executor, report, store, parse_run_key(key_hex, source="the doctor's run key"), args, env, handles,
-               timeout_s=timeout_s, poll_s=poll_interval_s if poll_interval_s is not None
-               else float(getattr(executor, "poll_interval_s", 2.0)), say=say)
+        launched = _launch_from_child(spec, say) if launch_in_child else executor.launch_replicas(2, PROBE, args,
+                                                                                                   env=env)
+        handles.extend(launched)
+        relaunch = executor  # starts a next attempt where the platform does not chain (HF Jobs)
+        if launch_in_child:  # from here on, only what a later `diloco status` has: the handles
+            executor = executor_for_handle(launched[0], run_url=run_url, **options)
+        poll_s = poll_interval_s if poll_interval_s is not None else float(getattr(executor, "poll_interval_s", 2.0))
+        _drive(executor, relaunch, report, store, parse_run_key(key_hex, source="the doctor's run key"), args, env,
+               handles, timeout_s=timeout_s, poll_s=poll_s, say=say, in_child=launch_in_child)
     except Exception as exc:  # the table says where it stopped; the replicas are cancelled below
         pending = next((c for c in report.checks if c.ok is None), None)
         if pending is not None:
@@ -155,17 +167,61 @@ def run_doctor(kind: str, store_url: str, *, gpu: str | None = None, executor_op
     return report
 
 
-def _drive(executor: ServerlessExecutor, report: DoctorReport, store: ObjectStore, key: bytes, args: list[str],
-           env: dict[str, str], handles: list[ReplicaHandle], *, timeout_s: float, poll_s: float,
-           say: Callable[[str], None]) -> None:
+def _ship_code_through(store: ObjectStore, executor: ServerlessExecutor) -> None:
+    """HF Jobs ship the running code through the run's store, as a launch does (launcher/api.py)."""
+    setter = getattr(executor, "set_code_uploader", None)
+    if not callable(setter):
+        return
+
+    def upload(filename: str, data: bytes) -> str:
+        store.put(f"code/{filename}", data)
+        return f"{store.url}/code/{filename}"
+
+    setter(upload)
+
+
+_HANDLES = "diloco-doctor-handles: "
+
+
+def _launch_from_child(spec: dict[str, Any], say: Callable[[str], None]) -> list[ReplicaHandle]:
+    """Launch the 2 probe replicas from a child process (``python -m diloco_serverless.launcher.doctor``,
+    the spec on its stdin: the run key never goes on a command line) and wait for it to exit."""
+    proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(spec), capture_output=True, text=True,
+                          check=False)
+    for line in proc.stderr.splitlines():
+        say(f"  launcher: {line}")
+    found = [ln[len(_HANDLES):] for ln in proc.stdout.splitlines() if ln.startswith(_HANDLES)]
+    if proc.returncode != 0 or not found:
+        tail = one_line("\n".join((proc.stdout + proc.stderr).splitlines()[-5:]))
+        raise LaunchError(f"the launching process exited with code {proc.returncode}: {tail[-400:]}")
+    handles = [handle_from_json(h) for h in json.loads(found[-1])]
+    say(f"the launching process exited (code 0) after launching {len(handles)} replicas")
+    return handles
+
+
+def _child_main() -> int:
+    """The launching child of :func:`_launch_from_child`: prints the handles, then exits."""
+    spec = json.loads(sys.stdin.read())
+    executor = build_executor(spec["kind"], spec["gpu"], dict(spec["options"]))
+    _ship_code_through(ObjectStore(spec["run_url"]), executor)
+    handles = executor.launch_replicas(2, PROBE, spec["args"], env=spec["env"])
+    print(_HANDLES + json.dumps([h.to_json() for h in handles]), flush=True)
+    return 0
+
+
+def _drive(executor: ServerlessExecutor, relaunch: ServerlessExecutor, report: DoctorReport, store: ObjectStore,
+           key: bytes, args: list[str], env: dict[str, str], handles: list[ReplicaHandle], *, timeout_s: float,
+           poll_s: float,
+           say: Callable[[str], None], in_child: bool) -> None:
     deadline = time.monotonic() + timeout_s
-    launched = executor.launch_replicas(2, PROBE, args, env=env)
-    handles.extend(launched)
+    launched = list(handles)
     mode = launched[0].data.get("app_mode")
     ids = ", ".join(str(next((h.data[k] for k in ("function_call_id", "job_id", "supervisor_pid", "pid")
                               if h.data.get(k)), f"rank {h.rank}")) for h in launched)
     launch = report.check("launch 2 ranks")
     launch.ok, launch.detail = True, f"{ids}" + (f" ({mode} App {launched[0].data.get('app_name')})" if mode else "")
+    if in_child:
+        launch.detail += "; launched by a process that has exited"
     say(f"launched 2 probe replicas: {launch.detail}")
 
     seen_running = early_done = False
@@ -184,7 +240,8 @@ def _drive(executor: ServerlessExecutor, report: DoctorReport, store: ObjectStor
             raise LaunchError("; ".join(f"rank {s.rank} {s.status.value}: {s.reason}" for s in bad))
         if r1.status is ReplicaStatus.RUNNING and not seen_running:
             seen_running = True
-            _held(report, "status while running", f"rank {r1.rank} reported running while it ran ({line})")
+            _held(report, "status while running", f"rank {r1.rank} reported running while it ran ({line})"
+                  + (", after the launcher exited" if in_child else ""))
         if r0.status is ReplicaStatus.SUCCEEDED and not early_done:
             if r1.ended:
                 raise LaunchError(f"rank 0 ended, but rank 1 had ended too ({r1.status.value}: {r1.reason})")
@@ -192,7 +249,7 @@ def _drive(executor: ServerlessExecutor, report: DoctorReport, store: ObjectStor
             _held(report, "a rank ending early", f"rank 0 succeeded while rank 1 was {r1.status.value}")
         if r1.status is ReplicaStatus.CONTINUE:  # the executor does not chain (HF Jobs): start the next attempt
             chained_attempt = r1.attempt + 1
-            (fresh,) = executor.launch_replicas(2, PROBE, args, env={**env, "DILOCO_ATTEMPT": str(chained_attempt)},
+            (fresh,) = relaunch.launch_replicas(2, PROBE, args, env={**env, "DILOCO_ATTEMPT": str(chained_attempt)},
                                                 ranks=[CHAIN_RANK])
             handles[CHAIN_RANK] = fresh
             say(f"rank {CHAIN_RANK} stopped before its cap; started attempt {chained_attempt} (as the launcher does)")
@@ -256,3 +313,7 @@ def _record(store: ObjectStore, key: bytes, rank: int, attempt: int) -> dict[str
     except Exception:
         return None
     return doc if verify_json(key, PROBE_KIND, doc) else None
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

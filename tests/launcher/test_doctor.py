@@ -46,7 +46,12 @@ def test_doctor_on_modal_through_the_sdk(monkeypatch: pytest.MonkeyPatch, s3_sto
         table = report.table()
         print(table)
         assert report.ok, table
-        assert "(detached App diloco-doctor-" in report.check("launch 2 ranks").detail
+        launch = report.check("launch 2 ranks").detail
+        assert "(detached App diloco-doctor-" in launch and "launched by a process that has exited" in launch
+        assert "after the launcher exited" in report.check("status while running").detail
+        # the launching process ended its App session before the first poll (AppClientDisconnect)
+        names = srv.rpc_names()
+        assert names.index("AppClientDisconnect") < names.index("FunctionGetOutputs")
         # rank 1's first call spawned its next call from inside its input; the doctor cancelled that one
         first = srv.sent("FunctionMap")[1]
         chained = [r for r in srv.sent("FunctionMap") if r.parent_input_id]
@@ -69,7 +74,7 @@ def test_doctor_that_times_out_says_where_and_cancels(monkeypatch: pytest.Monkey
         monkeypatch.setenv(k, v)
     with fake_modal(monkeypatch) as srv:
         report = run_doctor("modal", f"{s3_store_url}/runs", cap_s=30, timeout_s=1.0, poll_interval_s=0.1,
-                            executor_options={"show_output": False})
+                            executor_options={"show_output": False}, launch_in_child=False)
         assert not report.ok
         assert report.check("launch 2 ranks").ok
         failed = report.check("status while running")
