@@ -377,7 +377,7 @@ class FakeModalServer:
             proc.kill()
         self._end(call.call_id, api_pb2.GenericResult(status=api_pb2.GenericResult.GENERIC_STATUS_TERMINATED,
                                                       exception="Function call was cancelled by the user"))
-        return api_pb2.Empty() if hasattr(api_pb2, "Empty") else None
+        return None  # google.protobuf.Empty
 
     def rpc_AppFetchLogs(self, req: Any) -> Any:  # noqa: N802  (FunctionCall.logs.tail)
         with self.lock:
