@@ -507,6 +507,33 @@ def cancel(
         _say(_out(), f"cancelled {len(run.handles)} replicas of run {run.run_id}")
 
 
+@app.command()
+def doctor(
+    executor: str = typer.Option(..., "--executor", "-e", help="The executor to check: modal, hf-jobs or local."),
+    store: str = typer.Option(..., "--store", help="Store URL the probe run lives under (s3://..., gs://..., ./runs)."),
+    gpu: str | None = typer.Option(None, "--gpu", "--flavor", help="GPU / flavor (default: a CPU container)."),
+    secret: list[str] = typer.Option([], "--secret", help="Modal Secret / HF Jobs secret with storage credentials."),
+    executor_opt: list[str] = typer.Option([], "--executor-opt", "-x", help="Executor option KEY=VALUE."),
+    cap_s: float | None = typer.Option(None, "--cap-s", help="The artificial attempt cap rank 1 is chained across "
+                                       "(default: modal 90, hf-jobs 600, local 20)."),
+    timeout_s: float = typer.Option(1200.0, "--timeout-s", help="Give up (and cancel everything) after this long."),
+) -> None:
+    """Check an executor on your account in minutes: 2 tiny replicas, one ending early, one chained across an
+    artificial cap; status, logs, cancel, final state. Prints a table of what held (docs/executors.md)."""
+    from diloco_serverless.launcher.doctor import run_doctor
+
+    with _errors():
+        options: dict[str, Any] = parse_options(executor_opt)
+        if secret:
+            options["secrets"] = list(secret)
+        out = _out()
+        report = run_doctor(executor, store, gpu=gpu, executor_options=options, cap_s=cap_s, timeout_s=timeout_s,
+                            say=lambda line: _say(out, line))
+        typer.echo(report.table())
+        if not report.ok:
+            raise typer.Exit(1)
+
+
 @app.command("ls")
 def ls_(
     store_url: str = typer.Argument(DEFAULT_STORE, help="Store URL runs live under."),

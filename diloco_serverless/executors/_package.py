@@ -26,7 +26,7 @@ import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from email.parser import HeaderParser
-from importlib.metadata import PackageNotFoundError, PathDistribution, distribution
+from importlib.metadata import PackageNotFoundError, PathDistribution, distribution, version
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -151,6 +151,28 @@ def package_requirements(extras: Sequence[str], package_dir: Path | None = None)
             req.marker = None
         out.append(str(req))
     return list(dict.fromkeys(out))
+
+
+def tested_torch() -> str | None:
+    """``torch==<the version this process runs>`` (a local tag such as ``+cpu`` dropped), or None without
+    torch: the torch this checkout's tests ran on (CI installs one version, constraints.txt)."""
+    try:
+        installed = version("torch")
+    except PackageNotFoundError:
+        return None
+    return f"torch=={installed.split('+', 1)[0]}"
+
+
+def job_requirements(extras: Sequence[str], package_dir: Path | None = None) -> list[str]:
+    """What a replica's image or Job installs: :func:`package_requirements` with ``torch`` pinned to
+    :func:`tested_torch`. ``torch>=2.7`` alone would keep an image's own torch (HF Jobs' default
+    PyTorch image has 2.7.1) or take whatever PyPI has newest when the Modal image is built; both are
+    versions no test of this checkout ran on."""
+    pin = tested_torch()
+    reqs = package_requirements(extras, package_dir)
+    if pin is None:
+        return reqs
+    return [pin if re.match(r"^torch(?![-_.\w])", r) else r for r in reqs]
 
 
 def _package_files(package_dir: Path) -> Iterator[tuple[str, Path]]:

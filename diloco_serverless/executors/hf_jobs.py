@@ -12,7 +12,7 @@ replica heals from the store's latest checkpoint. A setup error (exit code 2, se
 entrypoints/replica.py) is not retried: the Job's command prints ``SETUP_ERROR_MARKER`` and exits
 0, and ``poll`` reports that Job ``failed`` with the replica's ``error: ...`` line. The Hub does not
 tell a Job its attempt number, so ``DILOCO_ATTEMPT`` is not set. Stage mapping: SCHEDULING ->
-pending, RUNNING -> running, COMPLETED -> succeeded (failed when the log ends with the setup-error
+pending, RUNNING and UPDATING -> running, COMPLETED -> succeeded (failed when the log ends with the setup-error
 marker, continue when it ends with the continue marker), ERROR -> failed (with the Hub's status
 message), CANCELED -> cancelled, DELETED -> failed, any other stage -> unknown.
 
@@ -33,7 +33,8 @@ executor builds a wheel of the running package (``_package.build_wheel``: from a
 the installed files, deterministic, version ``<version>+src.<content hash>``), hands it to the
 ``code_uploader`` the launcher set (:meth:`HFJobsExecutor.set_code_uploader`; the launcher stores
 it in the run's own store, ``<run>/code/<wheel>``), and each Job then installs the package's
-requirements from the index, fetches the wheel with the run's storage credentials, checks its
+requirements from the index (``torch`` pinned to the launcher's version, replacing the image's 2.7.1:
+``_package.job_requirements``), fetches the wheel with the run's storage credentials, checks its
 SHA-256 against the one in the Job's command (``_fetch_code.py``) and ``pip install``s it with
 ``extras``. ``install="<pip requirement>"`` installs that instead (e.g. a published release), and
 ``install=None`` runs an image that already has the package.
@@ -52,7 +53,7 @@ from typing import Any
 
 from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors import _fetch_code
-from diloco_serverless.executors._package import build_wheel, package_requirements
+from diloco_serverless.executors._package import build_wheel, job_requirements
 from diloco_serverless.executors.base import (
     ATTEMPT_TIMEOUT_ENV,
     CODE_SHA256_ENV,
@@ -93,6 +94,7 @@ _MARKER_TAIL = 40
 _STAGES: dict[str, ReplicaStatus] = {
     "SCHEDULING": ReplicaStatus.PENDING,
     "RUNNING": ReplicaStatus.RUNNING,
+    "UPDATING": ReplicaStatus.RUNNING,  # a running Job whose settings change: it keeps running
     "COMPLETED": ReplicaStatus.SUCCEEDED,
     "ERROR": ReplicaStatus.FAILED,
     "CANCELED": ReplicaStatus.CANCELLED,
@@ -133,7 +135,7 @@ def label_value(value: str) -> str:
 
 
 def flavor_gpus(flavor: str) -> int | None:
-    """GPUs per job of a Jobs hardware flavor: ``"h100x8"`` -> 8, ``"a10g-largex2"`` -> 2, ``"a100-large"``
+    """GPUs per job of a Jobs hardware flavor: ``"h200x8"`` -> 8, ``"a10g-largex2"`` -> 2, ``"a100-large"``
     -> 1, ``"cpu-basic"`` -> None (the flavor names carry the count as an ``x<N>`` suffix)."""
     if flavor.startswith("cpu"):
         return None
@@ -202,7 +204,7 @@ class HFJobsExecutor:
         if bad:
             raise ExecutorUnavailable(f"hf-jobs executor: extras must be plain names, got {bad}")
         self.flavor, self.image, self.timeout = flavor, image, timeout
-        #: GPUs of the flavor (``"h100x8"`` -> 8): the replica runs one local process per GPU
+        #: GPUs of the flavor (``"h200x8"`` -> 8): the replica runs one local process per GPU
         #: (``parallel.devices``, set from this by the launcher); None for a CPU flavor
         self.devices_per_replica: int | None = flavor_gpus(flavor)
         self._timeout_s = timeout_seconds(timeout)
@@ -331,7 +333,7 @@ class HFJobsExecutor:
             extras = f"[{','.join(self.extras)}]" if self.extras else ""
             steps += [
                 f"echo '[diloco] installing {code.filename}: the requirements, then the shipped wheel'",
-                f"{pip} {shlex.join(package_requirements(self.extras))} || exit $?",
+                f"{pip} {shlex.join(job_requirements(self.extras))} || exit $?",
                 f'python -c {shlex.quote(_fetch_source())} {shlex.quote(code.url)} {code.sha256} "{wheel}"'
                 " || { c=$?; [ \"$c\" = 2 ] && setup_error 'the shipped code was not installed'; exit \"$c\"; }",
                 f'{pip} "{wheel}{extras}" || exit $?',

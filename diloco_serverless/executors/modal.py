@@ -11,10 +11,10 @@ pass ``deployed_app="diloco-serverless"``: launches then use ``Function.from_nam
 launch's GPU, secrets, timeout and retries (``retries=0`` included) set by ``with_options``.
 
 Image: ``debian_slim`` (this Python version) with this package's requirements (from the checkout's
-pyproject.toml, or the installed metadata) plus the source of the running package
-(``Image.add_local_python_source``, which works for a checkout and for an installed package in
-site-packages, pipx or ``uv tool`` alike): every replica runs the code that launched it. Installing
-a published release instead is explicit: ``local_source=False`` pip-installs
+pyproject.toml, or the installed metadata; ``torch`` pinned to the version the launcher runs) plus the
+source of the running package (``Image.add_local_python_source``, which works for a checkout and
+for an installed package in site-packages, pipx or ``uv tool`` alike): every replica runs the code
+that launched it. Installing a published release instead is explicit: ``local_source=False`` pip-installs
 ``diloco-serverless[<extras>]==<this version>``, ``package=`` names any pip requirement, or pass
 your own ``image``. Launches run inside ``modal.enable_output()`` (``show_output=True``), so the first
 image build shows its progress. Storage credentials reach the containers only through Modal
@@ -56,7 +56,13 @@ from diloco_serverless import __version__
 from diloco_serverless.config import RUN_KEY_ENV
 from diloco_serverless.errors import ExecutorError
 from diloco_serverless.executors import _package
-from diloco_serverless.executors._package import DIST_NAME, IMPORT_NAME, package_requirements, source_checkout_root
+from diloco_serverless.executors._package import (
+    DIST_NAME,
+    IMPORT_NAME,
+    job_requirements,
+    package_requirements,
+    source_checkout_root,
+)
 from diloco_serverless.executors._remote import CALL_TIMEOUT_ENV, FUNCTION_ID_ENV, run_replica_process
 from diloco_serverless.executors.base import (
     CONTINUE_EXIT_CODE,
@@ -88,6 +94,17 @@ MAX_RETRIES = 10
 _CALL_ID = re.compile(r"^fc-[A-Za-z0-9]{1,64}$")
 #: the most calls a replica's chain may have (a 24 h cap: 1000 days; a 1 h cap: 41 days)
 MAX_CHAIN_CALLS = 1000
+#: the most log entries ``FunctionCall.logs.tail`` gives (modal ``_logs._FETCH_LIMIT``; more raises LogsFetchError)
+MAX_LOG_ENTRIES = 20_000
+
+
+#: how the calls of a launch live on after the launching process exits, by App mode (docs/executors.md,
+#: "Detached or deployed")
+APP_MODES = {
+    "detached": "an App run with detach=True for this launch: its calls keep running after this process exits; "
+                "`diloco doctor --executor modal` checks that on your account",
+    "deployed": "a deployed App (modal deploy): its calls do not depend on any launching process",
+}
 
 
 def import_modal() -> Any:
@@ -149,7 +166,7 @@ def default_image(modal: Any, *, extras: Sequence[str] = ("s3", "gcs"), package:
         root = source_checkout_root()
         where = f"the checkout {root}" if root is not None else f"the installed package at {_package.PACKAGE_DIR}"
         logger.info("modal executor: shipping the source of %s from %s to the image", DIST_NAME, where)
-        return image.pip_install(*package_requirements(extras)).add_local_python_source(IMPORT_NAME)
+        return image.pip_install(*job_requirements(extras)).add_local_python_source(IMPORT_NAME)
     spec = package or f"{DIST_NAME}[{','.join(extras)}]=={__version__}"
     return image.pip_install(spec)
 
@@ -345,10 +362,13 @@ class ModalExecutor:
                 with app.run(detach=True, environment_name=self.environment_name):
                     calls = self._spawn_all(fn, chosen, entrypoint, args, plain)
                     app_id, app_name = app.app_id, app.name
+        mode = "detached" if app is not None else "deployed"
+        logger.info("modal executor: %d call(s) of %s in the %s App %s (%s)", len(calls), FUNCTION_NAME, mode,
+                    app_name, APP_MODES[mode])
         return [
             ReplicaHandle(kind=self.kind, rank=rank, data={
-                "function_call_id": fc.object_id, "app_id": app_id, "app_name": app_name, "gpu": self.gpu,
-                "run_id": run_id})
+                "function_call_id": fc.object_id, "app_id": app_id, "app_name": app_name, "app_mode": mode,
+                "gpu": self.gpu, "run_id": run_id})
             for rank, fc in zip(chosen, calls)
         ]
 
@@ -483,8 +503,8 @@ class ModalExecutor:
         except exc_mod.OutputExpiredError:
             return state(ReplicaStatus.UNKNOWN, "the call ended, but Modal no longer keeps its result (older than its "
                          "retention); the replica's heartbeat in the store tells how it ended", ended=True)
-        except exc_mod.TimeoutError:
-            return self._unfinished(call, state)
+        except (TimeoutError, exc_mod.TimeoutError):  # ``get(timeout=0)`` of a call still running raises the
+            return self._unfinished(call, state)       # builtin TimeoutError (modal ``_Invocation.poll_function``)
         except exc_mod.InputCancellation:
             return state(ReplicaStatus.CANCELLED, "cancelled")
         except exc_mod.RemoteError as exc:
@@ -522,7 +542,7 @@ class ModalExecutor:
         except Exception as exc:  # best effort: the call graph is not a promise of Modal's
             return state(ReplicaStatus.UNKNOWN, f"not finished; Modal did not say whether it is queued or running "
                          f"({type(exc).__name__})")
-        mine = [i for i in graph if getattr(i, "function_call_id", None) == call.object_id]
+        mine = [i for i in _walk_call_graph(graph) if getattr(i, "function_call_id", None) == call.object_id]
         if not mine:
             return state(ReplicaStatus.UNKNOWN, "not finished; Modal did not say whether it is queued or running")
         if any(getattr(i, "task_id", "") for i in mine):
@@ -536,8 +556,13 @@ class ModalExecutor:
         return collect_by_polling(self, handles, timeout, poll_interval_s=self.poll_interval_s)
 
     def logs(self, handle: ReplicaHandle, tail: int | None = 200) -> str:
-        """The last ``tail`` log lines of the latest call of the rank's chain (``FunctionCall.logs.tail``)."""
-        entries = self._call(handle).logs.tail(entries=tail or 10_000)
+        """The last ``tail`` log lines of the latest call of the rank's chain (``FunctionCall.logs.tail``;
+        at most :data:`MAX_LOG_ENTRIES`, the SDK's own cap: a larger ``tail`` gives that many)."""
+        wanted = MAX_LOG_ENTRIES if not tail or tail <= 0 else min(int(tail), MAX_LOG_ENTRIES)
+        if tail and tail > MAX_LOG_ENTRIES:
+            logger.info("modal executor: Modal gives at most the last %d log entries of a call; asked for %d",
+                        MAX_LOG_ENTRIES, tail)
+        entries = self._call(handle).logs.tail(entries=wanted)
         return "\n".join(str(getattr(e, "message", e)).rstrip("\n") for e in entries)
 
     def cancel(self, handles: Sequence[ReplicaHandle]) -> None:
@@ -580,6 +605,17 @@ def _function_id(fn: Any) -> str | None:
         except Exception:
             return None
     return None
+
+
+def _walk_call_graph(nodes: Sequence[Any]) -> Iterator[Any]:
+    """Every input of a call graph, depth first: a call spawned inside a container (the next call of a
+    chain) is one of its parent input's ``children``, not a top-level input."""
+    stack, seen = list(reversed(list(nodes))), 0
+    while stack and seen < 100_000:
+        node = stack.pop()
+        seen += 1
+        yield node
+        stack.extend(reversed(list(getattr(node, "children", None) or ())))
 
 
 def _next_call_id(result: object) -> object:

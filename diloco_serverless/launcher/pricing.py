@@ -18,14 +18,15 @@ MODAL_USD_PER_HOUR: dict[str, float] = {
     "A100-80GB": 2.50, "H100": 3.95, "H200": 4.54, "B200": 6.25,
 }
 
-#: Hugging Face Jobs hardware flavors (``flavor=`` strings).
+#: Hugging Face Jobs hardware flavors (``flavor=`` strings): exactly ``huggingface_hub.JobHardware``'s
+#: values (tests/executors/test_executor_hf_jobs.py checks both ways).
 HF_JOBS_USD_PER_HOUR: dict[str, float] = {
     "cpu-basic": 0.0, "cpu-upgrade": 0.03, "cpu-performance": 0.05, "cpu-xl": 0.10,
     "t4-small": 0.40, "t4-medium": 0.60, "l4x1": 0.80, "l4x4": 3.80,
     "l40sx1": 1.80, "l40sx4": 8.30, "l40sx8": 23.50,
     "a10g-small": 1.00, "a10g-large": 1.50, "a10g-largex2": 3.00, "a10g-largex4": 5.00,
     "a100-large": 2.50, "a100x4": 10.00, "a100x8": 20.00,
-    "h100": 4.50, "h100x8": 36.00, "h200": 5.00, "h200x2": 10.00, "h200x4": 20.00, "h200x8": 40.00,
+    "h200": 5.00, "h200x2": 10.00, "h200x4": 20.00, "h200x8": 40.00,
     "rtx-pro-6000": 2.60, "rtx-pro-6000x2": 5.20, "rtx-pro-6000x4": 10.40, "rtx-pro-6000x8": 20.80,
 }
 

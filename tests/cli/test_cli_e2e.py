@@ -177,7 +177,7 @@ def test_hf_jobs_through_the_cli(s3_store_url: str, s3_env: dict, monkeypatch: p
 
     for name, value in s3_env.items():
         monkeypatch.setenv(name, value)
-    with FakeHFJobsServer() as hub:
+    with FakeHFJobsServer(log_stream_close_s=0.5) as hub:
         monkeypatch.setenv("HF_TOKEN", hub.token)
         launched = runner.invoke(app, [
             "launch", "--executor", "hf-jobs", "--flavor", "cpu-basic", "--store", s3_store_url, "--run-id", "hf1",

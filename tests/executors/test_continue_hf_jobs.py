@@ -23,7 +23,7 @@ REPLICA = "support.continue_replica"
 
 @pytest.fixture
 def hub() -> Iterator[FakeHFJobsServer]:
-    with FakeHFJobsServer() as srv:
+    with FakeHFJobsServer(log_stream_close_s=0.5) as srv:
         yield srv
 
 

@@ -14,13 +14,14 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.metadata import version
 
 import pytest
 
 pytest.importorskip("huggingface_hub")
 
 from diloco_serverless.errors import ExecutorError
-from diloco_serverless.executors import ReplicaStatus
+from diloco_serverless.executors import ReplicaStatus, _package
 from diloco_serverless.executors.base import (
     ExecutorUnavailable,
     ReplicaFailedError,
@@ -39,7 +40,9 @@ FAKE = FAKE_REPLICA
 
 @pytest.fixture
 def hub() -> Iterator[FakeHFJobsServer]:
-    with FakeHFJobsServer() as srv:
+    # idle log streams end after 0.5 s here (the SDK's own 5 s read timeout would add 5 s per log read);
+    # test_logs_from_a_stream_that_stays_open keeps the Hub's behaviour
+    with FakeHFJobsServer(log_stream_close_s=0.5) as srv:
         yield srv
 
 
@@ -151,7 +154,10 @@ def test_default_ships_the_running_code_and_published_releases_are_explicit() ->
     assert "diloco-serverless[s3,gcs,hf]==" not in script
     assert f" {code.url} {code.sha256} " in script  # the fetch step checks the launcher's SHA-256
     assert '"${TMPDIR:-/tmp}/diloco-code/diloco_serverless-0.1.0+src.abc-py3-none-any.whl[s3,gcs,hf]"' in script
-    assert "'s3fs>=2024.6'" in script and "'torch>=2.7'" in script  # the requirements, from the index
+    assert "'s3fs>=2024.6'" in script  # the requirements, from the index
+    # with torch pinned to the version the launcher runs (the image's own 2.7.1 is what CI never tests)
+    assert f" {_package.tested_torch()} " in script and "torch>=2.7" not in script
+    assert _package.tested_torch() == f"torch=={version('torch').split('+')[0]}"
     assert "python -m diloco_serverless.entrypoints.replica --run-url s3://b/r &" in script
     with pytest.raises(ExecutorError, match="needs the shipped code"):
         ex.command("m", [])
@@ -307,3 +313,46 @@ def test_job_ids_and_namespaces_from_handles_must_be_plain_names(
         ex = executor_for_handle(forged, namespace="fake-user")
         ex.cancel([handle])
     assert hub.requests == []
+
+
+def test_the_flavor_price_table_is_exactly_the_sdks_job_hardware() -> None:
+    """A flavor the Hub refuses must not be priced or suggested (``h100`` / ``h100x8`` were), and every
+    flavor the SDK offers has an estimate for --max-usd."""
+    from huggingface_hub import JobHardware
+
+    from diloco_serverless.launcher.pricing import HF_JOBS_USD_PER_HOUR
+
+    offered = {f.value for f in JobHardware}
+    assert set(HF_JOBS_USD_PER_HOUR) - offered == set(), "priced flavors the Hub does not have"
+    assert offered - set(HF_JOBS_USD_PER_HOUR) == set(), "flavors without a price estimate"
+
+
+def test_a_job_being_updated_is_running(hub: FakeHFJobsServer, job_env: dict[str, str]) -> None:
+    ex = HFJobsExecutor(endpoint=hub.url, token=hub.token, install=None, poll_interval_s=0.05)
+    (handle,) = ex.launch_replicas(1, FAKE, ["--sleep-s", "3"], env=job_env)
+    (job,) = hub.jobs.values()
+    deadline = time.monotonic() + 20
+    while job.stage != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with job.lock:
+        job.stage = "UPDATING"  # what the Hub reports while a running Job's settings change
+    (state,) = ex.poll([handle])
+    assert state.status is ReplicaStatus.RUNNING and state.detail["stage"] == "UPDATING"
+    ex.cancel([handle])
+
+
+def test_logs_from_a_stream_that_stays_open(job_env: dict[str, str]) -> None:
+    """The Hub's log stream stays open after its replay (keep-alives, new lines as they come): the SDK ends a
+    no-follow read itself (its 5 s read timeout, or a line newer than the response's Date)."""
+    with FakeHFJobsServer() as srv:
+        ex = HFJobsExecutor(endpoint=srv.url, token=srv.token, install=None, poll_interval_s=0.05)
+        handles = ex.launch_replicas(1, FAKE, [], env=job_env)
+        (result,) = ex.collect(handles, timeout=60)
+        assert result.ok
+        assert "fake replica rank=0" in ex.logs(handles[0], tail=20)
+        running = ex.launch_replicas(1, FAKE, ["--sleep-s", "30"], env=job_env)
+        deadline = time.monotonic() + 20
+        while "fake replica rank=0" not in (text := ex.logs(running[0], tail=20)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "fake replica rank=0" in text  # read while the Job runs and its stream stays open
+        ex.cancel(running)

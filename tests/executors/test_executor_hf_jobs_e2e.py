@@ -41,7 +41,7 @@ def _tiny_run(store_url: str, storage_options: dict, run_id: str, replicas: int)
 
 def test_hf_jobs_replicas_train_over_s3(s3_store_url: str, s3_storage_options: dict, s3_env: dict) -> None:
     run_url = _tiny_run(s3_store_url, s3_storage_options, "hf-e2e", replicas=2)
-    with FakeHFJobsServer() as hub:
+    with FakeHFJobsServer(log_stream_close_s=0.5) as hub:
         ex = HFJobsExecutor(flavor="cpu-basic", image="python:3.11", endpoint=hub.url, token=hub.token,
                             install=None, retries=0, forward_credentials=False, poll_interval_s=0.5)
         env = {**s3_env, "DILOCO_RUN_URL": run_url, "DILOCO_DEVICE": "cpu"}
@@ -67,7 +67,7 @@ def test_hf_jobs_replicas_train_over_s3(s3_store_url: str, s3_storage_options: d
 
 def test_hf_jobs_real_replica_failure_is_reported(s3_store_url: str, s3_env: dict) -> None:
     missing = f"{s3_store_url}/no-such-run"
-    with FakeHFJobsServer() as hub:
+    with FakeHFJobsServer(log_stream_close_s=0.5) as hub:
         ex = HFJobsExecutor(flavor="cpu-basic", image="python:3.11", endpoint=hub.url, token=hub.token,
                             install=None, retries=1, forward_credentials=False, poll_interval_s=0.5)
         env = {**s3_env, "DILOCO_RUN_URL": missing, "DILOCO_DEVICE": "cpu"}

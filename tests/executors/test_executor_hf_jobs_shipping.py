@@ -82,7 +82,7 @@ def test_the_clean_room_lacks_the_package(clean_room: CleanRoom) -> None:
 
 def test_without_an_uploader_nothing_is_submitted(s3_store_url: str, s3_storage_options: dict) -> None:
     run_url = _run(s3_store_url, s3_storage_options, "no-uploader")
-    with FakeHFJobsServer() as hub:
+    with FakeHFJobsServer(log_stream_close_s=0.5) as hub:
         ex = _executor(hub)  # install="local" is the default
         with pytest.raises(ExecutorUnavailable, match="no code uploader is set"):
             ex.launch_replicas(2, REPLICA, ["--run-url", run_url], env={"DILOCO_RUN_URL": run_url})
@@ -95,7 +95,7 @@ def test_a_replaced_wheel_is_refused_and_not_retried(
     """The SHA-256 in the Job's command is the launcher's; a wheel swapped in the bucket is never installed."""
     run_url = _run(s3_store_url, s3_storage_options, "tampered")
     uploads: list[str] = []
-    with FakeHFJobsServer(clean_room=clean_room) as hub:
+    with FakeHFJobsServer(clean_room=clean_room, log_stream_close_s=0.5) as hub:
         ex = _executor(hub, retries=2)
         ex.set_code_uploader(_uploader(run_url, s3_storage_options, uploads, tamper=True))
         handles = ex.launch_replicas(1, REPLICA, ["--run-url", run_url], env={**s3_env, "DILOCO_RUN_URL": run_url})
@@ -117,7 +117,7 @@ def test_shipped_code_reports_setup_errors_without_retrying(
     run_url = _run(s3_store_url, s3_storage_options, "shipped")
     missing = f"{s3_store_url}/no-such-run"
     uploads: list[str] = []
-    with FakeHFJobsServer(clean_room=clean_room) as hub:
+    with FakeHFJobsServer(clean_room=clean_room, log_stream_close_s=0.5) as hub:
         ex = _executor(hub, retries=2)
         ex.set_code_uploader(_uploader(run_url, s3_storage_options, uploads))
         handles = ex.launch_replicas(1, REPLICA, ["--run-url", missing], env={**s3_env, "DILOCO_RUN_URL": missing})
@@ -142,7 +142,7 @@ def test_shipped_code_trains_in_a_clean_room_over_s3(
     """Two real replicas from the shipped wheel, tiny model, one round, over moto S3: a loadable final/."""
     run_url = _run(s3_store_url, s3_storage_options, "clean.room-e2e", replicas=2, rounds=1)
     uploads: list[str] = []
-    with FakeHFJobsServer(clean_room=clean_room) as hub:
+    with FakeHFJobsServer(clean_room=clean_room, log_stream_close_s=0.5) as hub:
         ex = _executor(hub, retries=0)
         ex.set_code_uploader(_uploader(run_url, s3_storage_options, uploads))
         env = {**s3_env, "DILOCO_RUN_URL": run_url, "DILOCO_DEVICE": "cpu"}

@@ -4,10 +4,10 @@ asking for another count is refused, and a count the platform cannot give is ref
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from test_executor_modal import FakeModal  # the Modal SDK fake of the Modal executor's tests
 
 from diloco_serverless.config import RunConfig
 from diloco_serverless.errors import LaunchError
@@ -22,12 +22,13 @@ from support.fake_hf_jobs_server import FakeHFJobsServer
 
 
 @pytest.fixture
-def fake_modal_module(monkeypatch: pytest.MonkeyPatch) -> FakeModal:
-    fake = FakeModal()
-    monkeypatch.setitem(sys.modules, "modal", fake.module())
-    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
-    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
-    return fake
+def modal_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The real ``modal`` SDK against the fake Modal server (tests/support/modal_grpc_server.py)."""
+    pytest.importorskip("modal")
+    from support.modal_grpc_server import fake_modal
+
+    with fake_modal(monkeypatch) as srv:
+        yield srv
 
 RUN_URL = "s3://bucket/runs/run-g8"
 
@@ -36,15 +37,15 @@ def _cfg(*overrides: str) -> RunConfig:
     return RunConfig.load(None, ["run_id=run-g8", *overrides])
 
 
-def test_modal_gpu_count_is_the_replicas_devices(fake_modal_module: FakeModal) -> None:
-    ex = get_executor("modal", gpu="h100:8")
+def test_modal_gpu_count_is_the_replicas_devices(modal_server: Any) -> None:
+    ex = get_executor("modal", gpu="h100:8", show_output=False)
     assert ex.devices_per_replica == 8
     ex.launch_replicas(2, "diloco_serverless.entrypoints.replica", ["--run-url", RUN_URL],
                        env={"DILOCO_RUN_URL": RUN_URL})
-    fake = fake_modal_module
-    (fn,) = fake.functions
-    assert fn.options["gpu"] == "H100:8"  # one container with 8 GPUs per replica
-    assert [args[0] for _, args, _ in fake.spawns] == [0, 1]
+    (create,) = modal_server.sent("FunctionCreate")
+    gpu = create.function.resources.gpu_config
+    assert (gpu.gpu_type, gpu.count) == ("H100", 8)  # one container with 8 GPUs per replica
+    assert len(modal_server.sent("FunctionMap")) == 2
     cfg = with_executor_devices(_cfg(), ex, "modal")
     assert cfg.parallel.devices == 8 and cfg.run_id == "run-g8"
     with pytest.raises(LaunchError, match=r"parallel.devices is 4 but the modal executor gives each replica 8"):
@@ -52,7 +53,7 @@ def test_modal_gpu_count_is_the_replicas_devices(fake_modal_module: FakeModal) -
     assert with_executor_devices(_cfg("parallel.devices=8"), ex, "modal").parallel.devices == 8
 
 
-def test_modal_refuses_a_count_it_cannot_give(fake_modal_module: FakeModal) -> None:
+def test_modal_refuses_a_count_it_cannot_give(modal_server: Any) -> None:
     with pytest.raises(ExecutorUnavailable, match=r"unknown GPU 'H100:9'.*N <= 8"):
         get_executor("modal", gpu="H100:9")
     assert gpu_count("A100") == 1 and gpu_count(None) is None
@@ -65,7 +66,7 @@ def test_hf_jobs_flavor_gpus_and_submitted_flavor() -> None:
         n = flavor_gpus(flavor)
         assert (n is None) == flavor.startswith("cpu"), flavor
     assert flavor_gpus("h200x8") == 8 and flavor_gpus("a10g-largex2") == 2 and flavor_gpus("a100-large") == 1
-    with FakeHFJobsServer() as srv:
+    with FakeHFJobsServer(log_stream_close_s=0.5) as srv:
         ex = get_executor("hf-jobs", flavor="h200x8", image="python:3.11", endpoint=srv.url, token=srv.token,
                           install=None, forward_credentials=False, poll_interval_s=0.1)
         assert ex.devices_per_replica == 8

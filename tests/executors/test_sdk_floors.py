@@ -37,6 +37,8 @@ SDK_USED: dict[str, dict[str, tuple[str, ...]]] = {
         "Function.from_name": ("environment_name",),
         "Function.with_options": ("gpu", "secrets", "timeout", "retries"),
         "Function.spawn": (),
+        "Function.from_id": (),  # _remote.py: a call starts the next call of its chain (new in modal 1.6.0)
+        "Function.object_id": (),
         "FunctionCall.from_id": (),
         "FunctionCall.get": ("timeout",),
         "FunctionCall.cancel": ("terminate_containers",),
@@ -75,6 +77,8 @@ SDK_USED: dict[str, dict[str, tuple[str, ...]]] = {
         "JobStage.CANCELED": (),
         "JobStage.DELETED": (),
         "get_token": (),
+        "HfApi.create_repo": ("repo_id", "repo_type", "private", "exist_ok"),  # launcher/hub.py (--push-to-hub)
+        "HfApi.upload_folder": ("repo_id", "repo_type", "folder_path", "commit_message"),
         "constants.ENDPOINT": (),
         "errors.HfHubHTTPError": (),
     },
@@ -86,6 +90,7 @@ SDK_USED: dict[str, dict[str, tuple[str, ...]]] = {
 INTRODUCED_IN: dict[str, dict[str, str]] = {
     "modal": {
         "FunctionCall.logs.tail(entries=)  (ModalExecutor.logs)": "1.5.3",
+        "Function.from_id  (_remote.py: the next call of a chain)": "1.6.0",
         "Function.with_options  (deployed_app launches)": "1.4.3",
         "App.function(include_source=)": "1.0.0",
         "Image.add_local_python_source": "0.67.28",
@@ -157,19 +162,26 @@ def test_every_sdk_attribute_and_keyword_the_executors_use_exists(dist: str) -> 
     assert not bad_kwargs, f"{dist} {version(dist)} does not take {bad_kwargs}"
 
 
+_MODAL_PATTERNS = [(r"\bmodal\.((?:[A-Z]\w*|enable_output)(?:\.\w+)?)", ""), (r"\bexc_mod\.(\w+)", "exception."),
+                   (r"self\._modal\.(\w+(?:\.\w+)?)", "")]
+_HUB_PATTERNS = [(r"(?<![.\w])hub\.(\w+(?:\.\w+)?)", ""), (r"self\._api\.(\w+)", "HfApi."), (r"_hf\(\)\.(\w+)", ""),
+                 (r"\bapi\.(create_repo|upload_folder)\b", "HfApi."), (r"from huggingface_hub import (\w+)", "")]
+#: distribution -> (every module that touches the SDK, the patterns of its uses)
 _USES = {
-    "modal": ("diloco_serverless/executors/modal.py",
-              [(r"\bmodal\.((?:[A-Z]\w*|enable_output)(?:\.\w+)?)", ""), (r"\bexc_mod\.(\w+)", "exception."),
-               (r"self\._modal\.(\w+(?:\.\w+)?)", "")]),
-    "huggingface_hub": ("diloco_serverless/executors/hf_jobs.py",
-                        [(r"\bhub\.(\w+(?:\.\w+)?)", ""), (r"self\._api\.(\w+)", "HfApi.")]),
+    "modal": (("diloco_serverless/executors/modal.py", "diloco_serverless/executors/_remote.py",
+               "diloco_serverless/entrypoints/modal_app.py"), _MODAL_PATTERNS),
+    "huggingface_hub": (("diloco_serverless/executors/hf_jobs.py", "diloco_serverless/launcher/hub.py",
+                         "diloco_serverless/launcher/preflight.py"), _HUB_PATTERNS),
 }
+_SDK_IMPORT = {"modal": re.compile(r"^\s*(import modal\b|from modal\b)", re.M),
+               "huggingface_hub": re.compile(r"^\s*(import huggingface_hub\b|from huggingface_hub\b)", re.M)}
 
 
 @pytest.mark.parametrize("dist", sorted(SDKS))
 def test_the_static_list_names_what_the_executors_use(dist: str) -> None:
-    path, patterns = _USES[dist]
-    code = re.sub(r'"""(.|\n)*?"""', "", (REPO_ROOT / path).read_text("utf-8"))  # not the docstrings
+    paths, patterns = _USES[dist]
+    code = "\n".join(re.sub(r'"""(.|\n)*?"""', "", (REPO_ROOT / p).read_text("utf-8")) for p in paths)
+    path = ", ".join(paths)
     used = set()
     for pattern, prefix in patterns:
         used |= {prefix + m for m in re.findall(pattern, code)}
@@ -183,3 +195,14 @@ def test_modal_sdk_module_imports_lazily() -> None:
     """``import diloco_serverless.executors`` needs neither SDK (docs/architecture.md)."""
     mod = importlib.import_module("diloco_serverless.executors.registry")
     assert "modal" in mod.EXECUTOR_KINDS and "hf-jobs" in mod.EXECUTOR_KINDS
+
+
+@pytest.mark.parametrize("dist", sorted(SDKS))
+def test_every_module_that_imports_an_sdk_is_scanned(dist: str) -> None:
+    """A module importing the SDK that the scan above does not read could use an API the floor lacks
+    (``Function.from_id`` in ``_remote.py`` did, at the old floor 1.5.3)."""
+    importing = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "diloco_serverless").rglob("*.py")
+                       if _SDK_IMPORT[dist].search(p.read_text("utf-8")))
+    assert importing, f"no module imports {dist}: the pattern is wrong"
+    unscanned = [p for p in importing if p not in _USES[dist][0]]
+    assert not unscanned, f"{unscanned} import {dist} but the SDK-floor scan does not read them; add them to _USES"

@@ -11,9 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import sys
 import threading
-import types
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -238,73 +236,37 @@ def test_replica_opens_gs_with_the_key_json(
 
 
 # --------------------------------------------------------------------------- Modal
-class FakeModal:
-    """The parts of the ``modal`` SDK a deployed-App launch and a Secret look-up use."""
-
-    def __init__(self, secrets: set[str]) -> None:
-        self.secrets, self.lookups, self.spawned_env = secrets, [], []  # type: ignore[var-annotated]
-
-    def module(self) -> types.ModuleType:
-        fake, mod = self, types.ModuleType("modal")
-
-        class Secret:
-            def __init__(self, name: str, kw: dict[str, Any]) -> None:
-                self.name, self.kw = name, kw
-
-            @staticmethod
-            def from_name(name: str, **kw: Any) -> Secret:
-                return Secret(name, kw)
-
-            def hydrate(self) -> Secret:
-                fake.lookups.append((self.name, self.kw))
-                if self.name not in fake.secrets:
-                    raise modal_exception.NotFoundError(f"Secret '{self.name}' not found")
-                return self
-
-        class Function:
-            @staticmethod
-            def from_name(*args: Any, **kw: Any) -> Function:
-                return Function()
-
-            def with_options(self, **kw: Any) -> Function:
-                return self
-
-            def spawn(self, rank: int, entrypoint: str, args: list[str], env: dict[str, str]) -> Any:
-                fake.spawned_env.append(env)
-                return types.SimpleNamespace(object_id=f"fc-{rank}")
-
-        mod.Secret, mod.Function, mod.exception = Secret, Function, modal_exception  # type: ignore[attr-defined]
-        mod.Retries = lambda **kw: ("retries", kw)  # type: ignore[attr-defined]
-        mod.enable_output = lambda: __import__("contextlib").nullcontext()  # type: ignore[attr-defined]
-        return mod
-
-
 @pytest.fixture
-def fake_modal(monkeypatch: pytest.MonkeyPatch) -> FakeModal:
-    fake = FakeModal({"diloco-s3"})
-    monkeypatch.setitem(sys.modules, "modal", fake.module())
-    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-fake")
-    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-fake")
-    return fake
+def fake_modal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The real ``modal`` SDK against the fake Modal server, whose workspace has one Secret, ``diloco-s3``."""
+    from support.modal_grpc_server import fake_modal as fake_modal_server
+
+    with fake_modal_server(monkeypatch) as srv:
+        srv.secrets = {"diloco-s3"}
+        yield srv
+
+
+def _lookups(srv: Any) -> list[tuple[str, str]]:
+    return [(r.deployment_name, r.environment_name) for r in srv.sent("SecretGetOrCreate")]
 
 
 def test_modal_unknown_secret_is_refused_before_the_run_exists(
-    fake_modal: FakeModal, s3_store_url: str, s3_storage_options: dict[str, Any]
+    fake_modal: Any, s3_store_url: str, s3_storage_options: dict[str, Any]
 ) -> None:
     cfg = _cfg(s3_store_url)
     with pytest.raises(LaunchError) as err:
         check_launch(cfg, "modal", executor_options={"secrets": ["diloco-s3", "typo-creds"]},
                      storage_options=s3_storage_options)
     assert "no Modal Secret named 'typo-creds'" in str(err.value) and "modal secret create" in str(err.value)
-    assert [name for name, _ in fake_modal.lookups] == ["diloco-s3", "typo-creds"]
+    assert [name for name, _ in _lookups(fake_modal)] == ["diloco-s3", "typo-creds"]
     assert ObjectStore(s3_store_url, s3_storage_options).list("") == []
 
     plan = check_launch(cfg, "modal", executor_options={"secrets": ["diloco-s3"], "environment_name": "dev"},
                         storage_options=s3_storage_options)
-    assert plan.kind == "modal" and fake_modal.lookups[-1] == ("diloco-s3", {"environment_name": "dev"})
+    assert plan.kind == "modal" and _lookups(fake_modal)[-1] == ("diloco-s3", "dev")
 
 
-def test_modal_bucket_store_without_any_secret_is_refused(fake_modal: FakeModal) -> None:
+def test_modal_bucket_store_without_any_secret_is_refused(fake_modal: Any) -> None:
     for url, proto, hint in [("s3://b/runs", "s3", "AWS_ACCESS_KEY_ID="), ("gs://b/runs", "gs", "cat key.json")]:
         with pytest.raises(LaunchError, match="none is named") as err:
             check_replica_credentials(url, proto, ModalExecutor())
@@ -312,11 +274,11 @@ def test_modal_bucket_store_without_any_secret_is_refused(fake_modal: FakeModal)
     # a deployed App's function may carry its own secrets; a GCS emulator takes none
     assert check_replica_credentials("s3://b/runs", "s3", ModalExecutor(deployed_app="diloco-serverless")) == []
     assert check_replica_credentials("gs://b/runs", "gs", ModalExecutor(), environ={"STORAGE_EMULATOR_HOST": "x"}) == []
-    assert fake_modal.lookups == []
+    assert _lookups(fake_modal) == []
 
 
 def test_modal_replicas_get_the_storage_endpoint_settings_but_no_credentials(
-    fake_modal: FakeModal, monkeypatch: pytest.MonkeyPatch
+    fake_modal: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = {"AWS_ENDPOINT_URL": "https://acct.r2.cloudflarestorage.com", "AWS_ENDPOINT_URL_S3": "https://s3.x",
                 "AWS_REGION": "auto", "AWS_DEFAULT_REGION": "auto", "STORAGE_EMULATOR_HOST": "http://10.0.0.2:9023"}
@@ -325,7 +287,11 @@ def test_modal_replicas_get_the_storage_endpoint_settings_but_no_credentials(
     executor = ModalExecutor(deployed_app="diloco-serverless", secrets=["diloco-s3"], show_output=False)
     executor.launch_replicas(2, "diloco_serverless.entrypoints.replica", ["--run-url", "s3://b/runs/r1"],
                              env={"DILOCO_RUN_URL": "s3://b/runs/r1", "AWS_REGION": "eu-west-1"})
-    assert len(fake_modal.spawned_env) == 2
-    for env in fake_modal.spawned_env:
+    from modal._serialization import deserialize
+
+    spawned = [deserialize(r.pipelined_inputs[0].input.args, None)[0][3] for r in fake_modal.sent("FunctionMap")]
+    assert len(spawned) == 2
+    for env in spawned:
+        assert "never-sent" not in env.values() and "AKIA" not in env.values()
         assert {k: env[k] for k in settings} == {**settings, "AWS_REGION": "eu-west-1"}  # the launch's env wins
         assert "never-sent" not in json.dumps(env) and "AWS_ACCESS_KEY_ID" not in env

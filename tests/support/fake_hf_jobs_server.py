@@ -3,7 +3,8 @@
 It speaks the subset of the Hub API that ``huggingface_hub.HfApi`` uses for Jobs (2.x):
 ``GET /api/whoami-v2``, ``POST /api/jobs/{ns}`` (run_job), ``GET /api/jobs/{ns}/{id}`` (inspect_job),
 ``POST /api/jobs/{ns}/{id}/cancel`` (cancel_job) and ``GET /api/jobs/{ns}/{id}/logs`` (SSE, fetch_job_logs;
-the stream holds the lines so far and closes, the client re-connects while the Job runs).
+like the Hub's, the stream replays the lines so far and then stays open, sending new lines and keep-alives:
+the SDK's no-follow read returns after its 5 s read timeout; ``log_stream_close_s`` closes idle streams sooner).
 
 A Job's ``command`` runs with ``python`` replaced by this interpreter (also on ``PATH`` first, for
 ``bash -c`` commands), in an environment made of a scrubbed copy of ours (no AWS_*/HF_*/DILOCO_*
@@ -216,8 +217,15 @@ class FakeHFJobsServer:
     """``with FakeHFJobsServer() as srv: HfApi(endpoint=srv.url, token=srv.token)``."""
 
     def __init__(self, *, token: str = "hf_fake_token", user: str = "fake-user", python: str = sys.executable,
-                 clean_room: bool | CleanRoom = False) -> None:
+                 clean_room: bool | CleanRoom = False, log_stream_close_s: float | None = None,
+                 keep_alive_s: float = 30.0) -> None:
         self.token, self.user, self.python = token, user, python
+        #: like the Hub's, a log stream stays open after its replay (new lines are sent as the Job writes
+        #: them, ``: keep-alive`` every ``keep_alive_s``): the SDK's no-follow read ends at its own 5 s read
+        #: timeout or at a line newer than the response's Date. A number closes an idle stream after that
+        #: many seconds instead (the Hub may end a stream too; the SDK handles both).
+        self.log_stream_close_s, self.keep_alive_s = log_stream_close_s, keep_alive_s
+        self._stopping = threading.Event()
         self._own_room = clean_room is True
         self.workroot = Path(tempfile.mkdtemp(prefix="fake-hf-jobs-"))
         self.clean_room: CleanRoom | None = CleanRoom() if clean_room is True else (clean_room or None)
@@ -233,6 +241,7 @@ class FakeHFJobsServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
         for job in list(self.jobs.values()):
             job.cancel()
         self._httpd.shutdown()
@@ -308,15 +317,39 @@ class FakeHFJobsServer:
             def _logs(self, job: FakeJob, query: dict[str, list[str]]) -> None:
                 with job.lock:
                     lines = list(job.lines)
+                    sent = len(lines)
                 if "tail" in query:
                     lines = lines[-int(query["tail"][0]) :] if int(query["tail"][0]) > 0 else []
-                self.send_response(200)
+                self.send_response(200)  # with a Date header (send_response adds it), as the Hub's
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
-                for ts, line in lines:
-                    event = json.dumps({"timestamp": ts, "data": line})
-                    self.wfile.write(f"data: {event}\n\n".encode())
-                self.wfile.flush()
+                try:
+                    for ts, line in lines:
+                        event = json.dumps({"timestamp": ts, "data": line})
+                        self.wfile.write(f"data: {event}\n\n".encode())
+                    self.wfile.flush()
+                    self._follow(job, sent)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the SDK closed the stream (its read timeout, or a line newer than Date)
+
+            def _follow(self, job: FakeJob, sent: int) -> None:
+                """Keep the stream open after the replay: new lines as the Job writes them, keep-alives."""
+                idle_since = last_write = time.monotonic()
+                while not server._stopping.wait(0.05):
+                    with job.lock:
+                        new = list(job.lines)[sent:]
+                    now = time.monotonic()
+                    if new:
+                        sent += len(new)
+                        for ts, line in new:
+                            self.wfile.write(f"data: {json.dumps({'timestamp': ts, 'data': line})}\n\n".encode())
+                        idle_since = last_write = now
+                    elif now - last_write >= server.keep_alive_s:
+                        self.wfile.write(b": keep-alive\n\n")
+                        last_write = now
+                    self.wfile.flush()
+                    if server.log_stream_close_s is not None and now - idle_since >= server.log_stream_close_s:
+                        return
 
             def do_GET(self) -> None:
                 self._route("GET")
