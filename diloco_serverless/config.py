@@ -246,8 +246,8 @@ class DataConfig(_Section):
     eval_batches: int = Field(4, ge=1, description="Batches of the held-out split per evaluation.")
     max_bad_fraction: float = Field(
         0.01, ge=0.0, le=1.0,
-        description="datasets sources: share of rows that may be unusable (skipped, counted in the metrics as "
-        "data_bad_rows, named in a warning) before the run stops with an error naming examples; 0 = none.",
+        description="datasets and JSONL sources: share of rows that may be unusable (skipped, counted in the metrics "
+        "as data_bad_rows, named in a warning) before the run stops with an error naming examples; 0 = none.",
     )
 
     @field_validator("source")

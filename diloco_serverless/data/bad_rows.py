@@ -44,7 +44,14 @@ class BadRows:
 
     def skip(self, error: DataError, *, pass_done: bool) -> None:
         """Count a row that ``error`` makes unusable; DataError once there are too many."""
-        self.seen += 1
+        self.note(error)
+        self.check(pass_done=pass_done, cause=error)
+
+    def note(self, error: DataError, *, read: bool = True) -> None:
+        """Count a row that ``error`` makes unusable and name it in a warning, without judging the
+        fraction (for a source that reads all its rows before it judges them); ``read=False`` for a
+        row already counted as read (and as usable) that proved unusable later."""
+        self.seen += 1 if read else 0
         self.bad += 1
         if len(self.examples) < _EXAMPLES:
             self.examples.append(str(error))
@@ -53,10 +60,14 @@ class BadRows:
                 "skipping an unusable row (%d of %d rows read so far; the run stops past data.max_bad_fraction=%g): %s",
                 self.bad, self.seen, self.max_fraction, error,
             )
+
+    def check(self, *, pass_done: bool, cause: DataError | None = None) -> None:
+        """DataError naming examples when more than ``max_fraction`` of the rows are unusable (of the
+        rows read once ``pass_done``, else of at least :func:`min_rows`)."""
         limit = self.max_fraction * (self.seen if pass_done else max(self.seen, min_rows(self.max_fraction)))
         if self.bad > limit:
             raise DataError(
                 f"{self.label}: {self.bad} of {self.seen} rows read are unusable, more than "
                 f"data.max_bad_fraction={self.max_fraction:g}; fix the data or raise data.max_bad_fraction. "
                 f"Examples: {' | '.join(self.examples)}"
-            ) from error
+            ) from cause

@@ -312,7 +312,17 @@ class Encoder:
 
     def prompt_response(self, rec: Record, rng: Any) -> Example:
         """All three channels of a record: student (prompt + response), teacher (prompt with the hint
-        + the same response), pair (chosen or response, rejected or the response shuffled)."""
+        + the same response), pair (chosen or response, rejected or the response shuffled). DataError
+        naming the record for one the chat template cannot render: the caller skips and counts it."""
+        try:
+            return self._prompt_response(rec, rng)
+        except DataError:
+            raise
+        except Exception as exc:  # a template's own raise_exception, jinja errors
+            why = " ".join(str(exc).split())
+            raise DataError(f"{rec.where}: the chat template cannot render this record: {why}") from exc
+
+    def _prompt_response(self, rec: Record, rng: Any) -> Example:
         prompt, response = self.pair(rec.prompt, rec.response)
         if rec.hint:
             teacher, t_resp = self.pair(with_hint(rec.prompt, rec.hint), rec.response)

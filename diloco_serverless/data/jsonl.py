@@ -15,9 +15,19 @@ This reader serves ``data.format = "auto"`` (the default) on a single ``.jsonl``
 package; ``data.columns`` renames the fields. Any other format or layout goes through
 :mod:`.hf` (🤗 datasets). Tokenization is :class:`~diloco_serverless.data.formats.Encoder`'s.
 
-Failure: :class:`DataError` naming the file and line for a record that is not a JSON object, lacks a
-non-empty string ``prompt`` / ``response``, has a non-string optional field, or has only one of
-``chosen`` / ``rejected``; and for an unreadable file or an empty shard.
+Unusable rows (a line that is not valid JSON or not a JSON object, lacks a non-empty string
+``prompt`` / ``response``, has a non-string optional field or only one of ``chosen`` / ``rejected``)
+are skipped, counted (``bad_rows``, the ``data_bad_rows`` metric) and named (file:line) in a warning
+when the file is read, before any index is given out, so the records that examples are addressed
+by are the same on every replica and after a resume. A record that parses but cannot be encoded
+(e.g. the chat template raises on it) is found when its example is first asked for: it is counted
+and named once, and its examples (and those of every later index that lands on it) are those of
+the next usable record in the epoch's order, so example ``i`` stays a pure function of
+``(seed, rank, i)``. Every replica reads the whole file, so the share is judged on all its lines.
+
+Failure: :class:`DataError` naming example lines (file:line) when more than ``data.max_bad_fraction``
+of the lines are unusable (:mod:`.bad_rows`; ``0`` stops at the first); and for an unreadable file
+or an empty shard.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from typing import Any
 import fsspec
 
 from diloco_serverless.config import DataColumns, DataConfig
+from diloco_serverless.data.bad_rows import BadRows
 from diloco_serverless.data.examples import DataError, Example, example_rng
 from diloco_serverless.data.formats import Encoder, Record
 from diloco_serverless.data.stdlib import shard_for_rank, split_train_eval
@@ -68,9 +79,16 @@ def parse_record(line: str, where: str, columns: DataColumns | None = None) -> R
 
 
 def read_jsonl_records(
-    url: str, storage_options: dict[str, Any] | None = None, columns: DataColumns | None = None
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    columns: DataColumns | None = None,
+    bad_rows: BadRows | None = None,
 ) -> list[Record]:
-    """All records of a JSONL file (blank lines skipped). DataError if unreadable or empty."""
+    """All records of a JSONL file (blank lines skipped). DataError if unreadable or empty.
+
+    Without ``bad_rows`` an unusable line is a DataError naming it. With ``bad_rows`` each one is
+    skipped, counted there and named in a warning, and once the whole file is read a DataError
+    naming examples says when more than its ``max_fraction`` of the lines are unusable."""
     try:
         with fsspec.open(url, "rb", **(storage_options or {})) as fh:
             raw: bytes = fh.read()
@@ -80,11 +98,26 @@ def read_jsonl_records(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"JSONL data {url} is not UTF-8 (byte {exc.start}); re-encode it") from None
-    records = [
-        parse_record(line, f"{url}:{i}", columns) for i, line in enumerate(text.splitlines(), 1) if line.strip()
-    ]
+    records: list[Record] = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_record(line, f"{url}:{i}", columns)
+        except DataError as exc:
+            if bad_rows is None:
+                raise
+            bad_rows.note(exc)
+            continue
+        if bad_rows is not None:
+            bad_rows.good()
+        records.append(record)
+    if bad_rows is not None:
+        bad_rows.check(pass_done=True)  # the whole file is read: judged on all its lines
     if not records:
-        raise DataError(f"JSONL data {url} has no records; each line must be a JSON object")
+        bad = bad_rows.bad if bad_rows is not None else 0
+        what = f"no usable records ({bad} unusable lines)" if bad else "no records"
+        raise DataError(f"JSONL data {url} has {what}; each line must be a JSON object")
     return records
 
 
@@ -110,7 +143,8 @@ class JsonlSource:
     ) -> None:
         self.tokenizer, self.data, self.rank, self.seed = tokenizer, data, rank, seed
         opts = storage_options if storage_options is not None else _default_storage_options()
-        records = read_jsonl_records(data.source, opts, data.columns)
+        self.bad_rows = BadRows(data.max_bad_fraction, f"JSONL data {data.source}")
+        records = read_jsonl_records(data.source, opts, data.columns, self.bad_rows)
         # split key: record index + content, so the split does not depend on where the file lives
         by_key = {f"{i}:{r.prompt}\x00{r.response}": (i, r) for i, r in enumerate(records)}
         train_keys, eval_keys = split_train_eval(list(by_key), data.eval_fraction)
@@ -120,26 +154,59 @@ class JsonlSource:
             what=f"JSONL data {data.source}", total_eval=len(self.eval_records),
         )
         if not self.eval_records:
-            raise DataError(f"JSONL data {data.source} has 1 record; need at least 2 to hold one out for eval")
+            raise DataError(
+                f"JSONL data {data.source} has 1 usable record; need at least 2 to hold one out for eval"
+            )
         self.encoder = Encoder(tokenizer, data.hint_len)
         self._perm: tuple[int, list[int]] = (-1, [])
+        self._unusable: set[tuple[str, int]] = set()  # ("train" | "eval", record) that cannot be encoded
 
     # -------------------------------------------------------------- order
     def train_example(self, index: int) -> Example:
-        """Example ``index`` of this rank: epoch ``index // n`` in a seeded shuffled order."""
+        """Example ``index`` of this rank: epoch ``index // n`` in a seeded shuffled order (a record that
+        cannot be encoded gives way to the next usable one in that order)."""
         n = len(self.train_records)
         epoch, offset = divmod(index, n)
         if self._perm[0] != epoch:
             order = list(range(n))
             example_rng(self.seed, "jsonl-epoch", self.rank, epoch).shuffle(order)
             self._perm = (epoch, order)
-        rec = self.train_records[self._perm[1][offset]]
-        return self._encode(rec, example_rng(self.seed, "jsonl-train", self.rank, index))
+        order = self._perm[1]
+        for step in range(n):
+            k = order[(offset + step) % n]
+            example = self._usable("train", k, example_rng(self.seed, "jsonl-train", self.rank, index))
+            if example is not None:
+                return example
+        raise DataError(
+            f"JSONL data {self.data.source}: none of rank {self.rank}'s {n} training records can be encoded; "
+            f"examples: {' | '.join(self.bad_rows.examples)}"
+        )
 
     def eval_example(self, index: int) -> Example:
-        """Held-out example ``index`` (cycling through the eval records in file order)."""
-        rec = self.eval_records[index % len(self.eval_records)]
-        return self._encode(rec, example_rng(self.seed, "jsonl-eval", index))
+        """Held-out example ``index`` (cycling through the eval records in file order; a record that cannot
+        be encoded gives way to the next usable one)."""
+        m = len(self.eval_records)
+        for step in range(m):
+            example = self._usable("eval", (index + step) % m, example_rng(self.seed, "jsonl-eval", index))
+            if example is not None:
+                return example
+        raise DataError(
+            f"JSONL data {self.data.source}: none of its {m} held-out eval records can be encoded; "
+            f"examples: {' | '.join(self.bad_rows.examples)}"
+        )
+
+    def _usable(self, split: str, k: int, rng: Any) -> Example | None:
+        """Record ``k`` of ``split`` encoded, or None when it cannot be (counted and named once)."""
+        if (split, k) in self._unusable:
+            return None
+        records = self.train_records if split == "train" else self.eval_records
+        try:
+            return self._encode(records[k], rng)
+        except DataError as exc:
+            self._unusable.add((split, k))
+            self.bad_rows.note(exc, read=False)  # its line was counted when the file was read
+            self.bad_rows.check(pass_done=True, cause=exc)
+            return None
 
     def _encode(self, rec: Record, rng: Any) -> Example:
         return self.encoder.prompt_response(rec, rng)

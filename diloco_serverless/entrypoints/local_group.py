@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,7 +35,10 @@ from typing import Any
 
 from diloco_serverless.executors.base import CONTINUE_EXIT_CODE
 
-__all__ = ["LOCAL_RANK_ENV", "LOCAL_WORLD_SIZE_ENV", "child_env", "free_port", "has_cuda_devices", "run_local_group"]
+__all__ = [
+    "LOCAL_RANK_ENV", "LOCAL_WORLD_SIZE_ENV", "child_env", "cuda_device_count", "free_port", "has_cuda_devices",
+    "run_local_group",
+]
 
 logger = logging.getLogger("diloco_serverless.replica")
 
@@ -55,9 +59,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _visible_count(value: str) -> int:
+    """Devices ``CUDA_VISIBLE_DEVICES=value`` names, as the CUDA runtime reads it: the list ends at the
+    first entry that is empty or an invalid index (``-1`` hides every device)."""
+    count = 0
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        count += 1
+    return count
+
+
+def cuda_device_count(dev: Path = Path("/dev"), env: Mapping[str, str] | None = None) -> int:
+    """NVIDIA GPUs this process may use, without loading torch: the GPU device files (``nvidia0``,
+    ``nvidia1``...; a container sees its own), no more than ``CUDA_VISIBLE_DEVICES`` names when set."""
+    if not (dev / "nvidiactl").exists():
+        return 0
+    count = sum(1 for p in dev.glob("nvidia*") if re.fullmatch(r"nvidia[0-9]+", p.name))
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    return count if visible is None else min(count, _visible_count(visible))
+
+
 def has_cuda_devices() -> bool:
-    """True when this machine has NVIDIA GPUs (their device files), without loading torch."""
-    return Path("/dev/nvidiactl").exists() and any(Path("/dev").glob("nvidia[0-9]*"))
+    """True when this machine has NVIDIA GPUs this process may use (:func:`cuda_device_count`)."""
+    return cuda_device_count() > 0
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec

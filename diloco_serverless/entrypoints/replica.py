@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from diloco_serverless.config import STORE_TIMEOUT_S
-from diloco_serverless.entrypoints.local_group import LOCAL_WORLD_SIZE_ENV, has_cuda_devices, run_local_group
+from diloco_serverless.entrypoints.local_group import LOCAL_WORLD_SIZE_ENV, cuda_device_count, run_local_group
 from diloco_serverless.errors import (
     CheckpointError,
     RunError,
@@ -198,7 +198,14 @@ def _main(args: argparse.Namespace, rank_text: str, argv: list[str]) -> int:
             if deadline is not None:  # one deadline for the whole replica, whenever each process starts
                 os.environ[ATTEMPT_DEADLINE_ENV] = repr(deadline)
                 os.environ.pop(ATTEMPT_TIMEOUT_ENV, None)
-            return run_local_group(argv, devices, cuda=args.device is None and has_cuda_devices())
+            gpus = 0 if args.device is not None else cuda_device_count()
+            if 0 < gpus < devices:  # cuda:g for every local process g: each needs its own GPU
+                raise ValueError(
+                    f"parallel.devices={devices} starts one process per GPU, and this machine has {gpus} "
+                    f"CUDA device{'s' if gpus != 1 else ''}; give each replica {devices} GPUs (the executor's "
+                    f"GPU count), set parallel.devices={gpus}, or set DILOCO_DEVICE=cpu to run them on the CPU"
+                )
+            return run_local_group(argv, devices, cuda=gpus > 0)
         import torch
 
         from diloco_serverless.trainer.deadline import AttemptDeadline

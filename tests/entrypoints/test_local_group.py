@@ -105,3 +105,68 @@ def test_the_parent_of_a_local_group_loads_no_torch() -> None:
     env = child_env({}, 1, 2, 1234, cuda=False)
     assert (env[trainer_side.LOCAL_RANK_ENV], env[trainer_side.LOCAL_WORLD_SIZE_ENV]) == ("1", "2")
     assert (LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV) == (trainer_side.LOCAL_RANK_ENV, trainer_side.LOCAL_WORLD_SIZE_ENV)
+
+
+# ------------------------------------------------------------------ how many GPUs a replica may use
+def _dev(tmp_path: Path, *names: str) -> Path:
+    dev = tmp_path / "dev"
+    dev.mkdir(parents=True)
+    for name in names:
+        (dev / name).touch()
+    return dev
+
+
+def test_cuda_devices_are_counted_from_the_gpu_device_files_and_cuda_visible_devices(tmp_path: Path) -> None:
+    from diloco_serverless.entrypoints.local_group import cuda_device_count
+
+    # the driver's other device files (nvidia-uvm, nvidia-modeset, nvidia-caps) are not GPUs
+    one = _dev(tmp_path, "nvidiactl", "nvidia0", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset", "nvidia-caps")
+    assert cuda_device_count(one, {}) == 1
+    (one / "nvidia1").touch()
+    (one / "nvidia12").touch()
+    assert cuda_device_count(one, {}) == 3
+    visible = {"0": 1, "1,0": 2, "GPU-8c1f,GPU-2a7e": 2, "0,1,2,3,4": 3, "": 0, "-1": 0, "0,-1,1": 1, " 0 , 1 ": 2}
+    for value, want in visible.items():
+        assert cuda_device_count(one, {"CUDA_VISIBLE_DEVICES": value}) == want, value
+    assert cuda_device_count(_dev(tmp_path / "x", "nvidia0"), {}) == 0  # no driver control file: no usable GPU
+    (tmp_path / "none").mkdir()
+    assert cuda_device_count(tmp_path / "none", {}) == 0
+
+
+@pytest.mark.parametrize(("gpus", "device", "want"), [
+    (0, None, ("run", False)), (1, None, ("exit", 2)), (2, None, ("run", True)), (8, None, ("run", True)),
+    (1, "cpu", ("run", False)),
+])
+def test_a_replica_with_fewer_gpus_than_local_processes_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], gpus: int, device: str | None,
+    want: tuple[str, object],
+) -> None:
+    """Process g of a G-process replica gets cuda:g: with 1 GPU for 2 processes the second would fail on
+    cuda:1, so the replica stops at once with a setup error naming both counts (DILOCO_DEVICE=cpu: CPU)."""
+    from diloco_serverless.entrypoints import replica
+
+    started: list[bool] = []
+    monkeypatch.setattr(replica, "_devices_per_replica", lambda url: 2)
+    monkeypatch.setattr(replica, "cuda_device_count", lambda: gpus)
+    monkeypatch.setattr(replica, "run_local_group", lambda argv, devices, *, cuda: started.append(cuda) or 0)
+    for name in ("DILOCO_DEVICE", "DILOCO_CODE_VERSION", "DILOCO_ATTEMPT_DEADLINE", "DILOCO_ATTEMPT_TIMEOUT_S"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("REPLICA_RANK", "0")
+    argv = ["--run-url", "file:///nowhere/run"] + (["--device", device] if device else [])
+    code = replica.main(argv)
+    if want[0] == "run":
+        assert code == 0 and started == [want[1]]
+    else:
+        assert code == want[1] and not started
+        err = capsys.readouterr().err
+        assert "parallel.devices=2 starts one process per GPU, and this machine has 1 CUDA device;" in err
+        assert "set DILOCO_DEVICE=cpu" in err
+
+
+def test_multi_device_tests_pin_the_cpu_unless_each_process_has_a_gpu() -> None:
+    from support.gpus import local_group_env
+
+    assert local_group_env(2, gpus=0) == {"DILOCO_DEVICE": "cpu"}
+    assert local_group_env(2, gpus=1) == {"DILOCO_DEVICE": "cpu"}  # not cuda:0 and cuda:1 on one GPU
+    assert local_group_env(2, gpus=2) == {} and local_group_env(2, gpus=8) == {}
+    assert local_group_env(4, gpus=2) == {"DILOCO_DEVICE": "cpu"}

@@ -1,6 +1,7 @@
 """FSDP2 inside a multi-device replica (``parallel.strategy = "fsdp"``) as real processes on CPU (gloo):
 2 replicas x 2 local processes against the same run with G = 1, with gradient accumulation and a
-batch that does not split evenly over the devices; plus the shard/gather helpers in 2 processes."""
+batch that does not split evenly over the devices; plus the shard/gather helpers in 2 processes.
+(On a machine with a GPU for each local process they run on cuda:g with nccl instead: support/gpus.py.)"""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from diloco_serverless.trainer.fsdp import (
 )
 from diloco_serverless.trainer.local_group import LocalGroup
 from support.diloco_harness import create_tiny_run, wait_replicas, write_jsonl
+from support.gpus import local_group_env
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +46,7 @@ def _spawn(run_url: str, rank: int, log: Path, dump: Path) -> subprocess.Popen[b
     env = {
         **os.environ, "REPLICA_RANK": str(rank), "DILOCO_RUN_URL": run_url, "OMP_NUM_THREADS": "1",
         "DILOCO_LOG_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "DILOCO_DUMP_PARAMS": str(dump),
+        **local_group_env(2),  # the G=1 run on the same device kind
     }
     with log.open("ab") as fh:
         return subprocess.Popen([sys.executable, "-m", "diloco_serverless.entrypoints.replica"], env=env,

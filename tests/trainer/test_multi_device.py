@@ -1,5 +1,6 @@
 """Multi-device replicas (``parallel.devices = G``) as real processes on CPU (gloo): 2 replicas x 2
-local processes against the same run with G = 1, and a local process SIGKILLed mid-run."""
+local processes against the same run with G = 1, and a local process SIGKILLed mid-run.
+(On a machine with a GPU for each local process they run on cuda:g with nccl instead: support/gpus.py.)"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from support.diloco_harness import create_tiny_run, wait_replicas, write_jsonl
+from support.gpus import local_group_env
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +31,7 @@ def _spawn(run_url: str, rank: int, log: Path, dump: Path, attempt: int = 0) -> 
     env = {
         **os.environ, "REPLICA_RANK": str(rank), "DILOCO_RUN_URL": run_url, "DILOCO_ATTEMPT": str(attempt),
         "OMP_NUM_THREADS": "1", "DILOCO_LOG_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
-        "DILOCO_DUMP_PARAMS": str(dump),
+        "DILOCO_DUMP_PARAMS": str(dump), **local_group_env(2),  # the G=1 runs on the same device kind
     }
     with log.open("ab") as fh:
         return subprocess.Popen([sys.executable, "-m", "diloco_serverless.entrypoints.replica"], env=env,
