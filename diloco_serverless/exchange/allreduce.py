@@ -468,8 +468,8 @@ class ObjectStoreAllReduce:
         assert io is not None
         own = self._put_contributions(rs, flat, self._ready_lister(rs))
         self._before_ready(rs)
-        io.put(ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key), control_spread(self.world_size)),
-               signed_json(self._run_key, "ready", asdict(rs.me)))
+        key = ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key), control_spread(self.world_size))
+        io.put(key, signed_json(self._run_key, "ready", asdict(rs.me), key))
         return own
 
     def _ready_lister(self, rs: _Round) -> Callable[[], set[int]] | None:
@@ -499,7 +499,7 @@ class ObjectStoreAllReduce:
             key = contrib_key(rs.r, j, self.rank, self._spread)
             with encoding:
                 enc = encode_values(flat[a:b], self.codec)
-                data = pack(enc, asdict(header), self._run_key)
+                data = pack(enc, asdict(header), self._run_key, place=key)
             stored = self._write_piece(key, data, header)
             return decode_values(enc, self.codec, b - a) if stored is None else stored
 
@@ -671,7 +671,7 @@ class ObjectStoreAllReduce:
         enc = encode_values(acc, self.codec)
         key = reduced_key(rs.r, j, self._spread)
         expect = self._reduced_header(rs.r, j, (a, b), ref)
-        if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key)):
+        if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key, place=key)):
             return decode_values(enc, self.codec, b - a)
         return decode_shard(io.get(key), key=key, expect=expect, run_key=self._run_key)
 

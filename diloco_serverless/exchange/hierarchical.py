@@ -171,7 +171,7 @@ class HierarchicalRound:
         header = self._header(level, k, j)
         key = self.key(level, k, j)
         enc = encode_values(acc, header.codec)
-        data = pack(enc, asdict(header), self.run_key)
+        data = pack(enc, asdict(header), self.run_key, place=key)
         if self.io.put_if_absent(key, data):
             out = decode_values(enc, header.codec, header.numel)
             if level == self.depth:  # the copies of our original (a writer that lost leaves them to the winner)

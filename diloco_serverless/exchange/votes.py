@@ -110,13 +110,13 @@ def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -
     """Rank ``me.rank``'s contribution object (its marker in the header) and the values others will decode."""
     enc = encode_values(values, me.codec)
     header = {**asdict(piece_header(me, 0, (0, me.numel))), "marker": asdict(me)}
-    return pack(enc, header, run_key), decode_values(enc, me.codec, me.numel)
+    return pack(enc, header, run_key, place=vote_keys(me)[me.rank]), decode_values(enc, me.codec, me.numel)
 
 
 def vote(me: ReadyMarker, run_key: bytes | None) -> bytes:
     """Rank ``me.rank``'s vote when its contribution is several objects: its marker, no values."""
     header = {"run_id": me.run_id, "round": me.round, "shard": 0, "rank": me.rank, "marker": asdict(me)}
-    return pack({}, header, run_key)
+    return pack({}, header, run_key, place=vote_keys(me)[me.rank])
 
 
 def piece_header(marker: ReadyMarker, j: int, bounds: tuple[int, int]) -> ShardHeader:
@@ -130,7 +130,7 @@ def tombstone(me: ReadyMarker, rank: int, reason: str, run_key: bytes | None) ->
     """The tombstone ``me.rank`` writes at rank ``rank``'s contribution key: why ``rank`` is left out."""
     header = {"run_id": me.run_id, "round": me.round, "shard": 0, "rank": rank, EXCLUDED: reason[:500],
               "by": me.rank}
-    return pack({}, header, run_key)
+    return pack({}, header, run_key, place=vote_keys(me)[rank])
 
 
 def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run_key: bytes | None) -> Entry:
@@ -392,7 +392,8 @@ class VotedRound:
             a, b = bounds[j]
             enc = encode_values(flat[a:b], me.codec)
             header = asdict(piece_header(me, j, (a, b)))
-            self.io.put(contrib_key(me.round, j, me.rank), pack(enc, header, self.p.run_key))
+            key = contrib_key(me.round, j, me.rank)
+            self.io.put(key, pack(enc, header, self.p.run_key, place=key))
             return decode_values(enc, me.codec, b - a)
 
         with ThreadPoolExecutor(max_workers=min(len(bounds), 32), thread_name_prefix=f"pieces-{me.rank}") as pool:

@@ -188,7 +188,7 @@ RUN_JSON_KIND = "run.json"
 
 
 def _dumps(obj: dict[str, Any], key: bytes | None) -> bytes:
-    doc = mac_json(key, RUN_JSON_KIND, obj) if key is not None else obj
+    doc = mac_json(key, RUN_JSON_KIND, obj, place=RUN_JSON) if key is not None else obj
     return json.dumps(doc, indent=1, sort_keys=False).encode("utf-8")
 
 
@@ -273,7 +273,7 @@ def _read_record(run_store: ObjectStore, key: bytes | None) -> RunRecord:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRun(f"{run_store.url}/{RUN_JSON} is not valid JSON ({exc}); the run is corrupt") from None
-    if key is not None and not verify_json(key, RUN_JSON_KIND, data):
+    if key is not None and not verify_json(key, RUN_JSON_KIND, data, place=RUN_JSON):
         raise InvalidRun(
             f"{run_store.url}/{RUN_JSON} does not carry this run's signature: it was changed after launch by "
             "someone with write access to the bucket, or belongs to another launch; refusing it. Check who can "

@@ -58,10 +58,10 @@ def write_start(run_store: ObjectStore, rank: int, attempt: int, *, launch_id: s
         raise ValueError(f"launch id {launch_id!r} must be 1-64 letters, digits, '_' or '-'")
     record = StartRecord(rank, time.time() if now is None else now, attempt, launch_id)
     doc: dict[str, Any] = {"rank": rank, "attempt": attempt, "time": record.time, "launch_id": launch_id}
+    where = start_key(rank, int(record.time * 1000), secrets.token_hex(4))
     if key is not None:
-        doc = mac_json(key, START_KIND, doc)
-    run_store.put_if_absent(start_key(rank, int(record.time * 1000), secrets.token_hex(4)),
-                            json.dumps(doc).encode("utf-8"))
+        doc = mac_json(key, START_KIND, doc, place=where)
+    run_store.put_if_absent(where, json.dumps(doc).encode("utf-8"))
     return record
 
 
@@ -71,7 +71,9 @@ def read_starts(run_store: ObjectStore, *, key: bytes | None = None,
     (records never change, so a caller polling status keeps one ``cache`` and reads each once).
 
     With ``key`` a record without this run's HMAC is skipped; so is one that is not a JSON object with
-    a numeric time and a count attempt (a warning names its key). The rank is the one its key names.
+    a numeric time and a count attempt, and one whose signed rank differs from the rank its key names
+    (a warning names its key). The signature binds the record's key, so a record copied to another
+    rank's or start's key is skipped too.
     """
     seen: MutableMapping[str, StartRecord | None] = {} if cache is None else cache
     keys = [k for k in run_store.list(STARTS_PREFIX + "/") if _START_KEY.match(k)]
@@ -96,12 +98,16 @@ def _parse(url: str, name: str, raw: bytes, key: bytes | None) -> StartRecord | 
     if not isinstance(doc, dict):
         warnings.warn(f"skipping start record {url}/{name}: not a JSON object", stacklevel=3)
         return None
-    if key is not None and not verify_json(key, START_KIND, doc):
+    if key is not None and not verify_json(key, START_KIND, doc, place=name):
         warnings.warn(f"skipping start record {url}/{name}: it does not carry this run's signature", stacklevel=3)
         return None
     stamp, attempt, launch_id = doc.get("time"), doc.get("attempt", 0), doc.get("launch_id")
     if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not math.isfinite(stamp):
         warnings.warn(f"skipping start record {url}/{name}: 'time' is not a timestamp", stacklevel=3)
+        return None
+    rank = doc.get("rank", int(match.group(1)))
+    if rank != int(match.group(1)) or isinstance(rank, bool):
+        warnings.warn(f"skipping start record {url}/{name}: it says rank {rank!r}, its key another", stacklevel=3)
         return None
     if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
         attempt = 0

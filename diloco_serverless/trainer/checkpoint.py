@@ -100,14 +100,15 @@ def _manifest(round_: int, step: int, tensors: dict[str, torch.Tensor], plan: li
     }
 
 
-def _signed(run_key: bytes | None, kind: str, doc: dict[str, Any]) -> bytes:
-    return json.dumps(mac_json(run_key, kind, doc) if run_key is not None else doc).encode()
+def _signed(run_key: bytes | None, kind: str, doc: dict[str, Any], key: str) -> bytes:
+    """``doc`` as JSON, with the run's HMAC bound to ``kind`` and ``key`` (where it is written)."""
+    return json.dumps(mac_json(run_key, kind, doc, place=key) if run_key is not None else doc).encode()
 
 
 def _verified_json(store: ObjectStore, key: str, kind: str, run_key: bytes | None) -> Any:
     """The JSON object at ``key``; with a run key, CheckpointCorrupt unless it carries the run's HMAC."""
     doc = store.get_json(key)
-    if run_key is not None and not verify_json(run_key, kind, doc):
+    if run_key is not None and not verify_json(run_key, kind, doc, place=key):
         raise CheckpointCorrupt(
             f"{store.url}/{key} does not carry this run's signature (forged, or from another launch); refusing "
             f"it. Check who can write the bucket prefix (docs/security.md), then delete "
@@ -125,7 +126,8 @@ def _write_shard(store: ObjectStore, round_: int, j: int, keys: list[str], tenso
     stored = store.get(_shard_key(round_, j, "safetensors"))  # the first writer's bytes
     marker = {"sha256": hashlib.sha256(stored).hexdigest(), "keys": keys, "bytes": len(stored),
               "round": round_, "shard": j}
-    store.put_if_absent(_shard_key(round_, j, "json"), _signed(run_key, "checkpoint-shard", marker))
+    store.put_if_absent(_shard_key(round_, j, "json"), _signed(run_key, "checkpoint-shard", marker,
+                                                               _shard_key(round_, j, "json")))
 
 
 def save_checkpoint(store: ObjectStore, round_: int, step: int, tensors: dict[str, torch.Tensor],
@@ -141,10 +143,12 @@ def save_checkpoint(store: ObjectStore, round_: int, step: int, tensors: dict[st
     plan = plan_shards(tensors, world_size)
     prefix = checkpoint_prefix(round_)
     manifest = _manifest(round_, step, tensors, plan, meta)
-    store.put_if_absent(f"{prefix}/manifest.json", _signed(run_key, "checkpoint-manifest", manifest))
+    store.put_if_absent(f"{prefix}/manifest.json",
+                        _signed(run_key, "checkpoint-manifest", manifest, f"{prefix}/manifest.json"))
     if data_state is not None:
         state = {"round": round_, "rank": rank, "state": data_state}
-        store.put(f"{prefix}/data/rank-{rank}.json", _signed(run_key, "data-state", state))
+        data_key = f"{prefix}/data/rank-{rank}.json"
+        store.put(data_key, _signed(run_key, "data-state", state, data_key))
     _write_shard(store, round_, rank % world_size, plan[rank % world_size], tensors, run_key)
     deadline = time.monotonic() + takeover_s
     while True:
@@ -218,7 +222,8 @@ def load_checkpoint(store: ObjectStore, round_: int,
         marker = json.loads(blobs[_shard_key(round_, j, "json")])
         blob = blobs[_shard_key(round_, j, "safetensors")]
         where = f"{store.url}/{_shard_key(round_, j, 'safetensors')}"
-        signed = run_key is None or verify_json(run_key, "checkpoint-shard", marker)
+        marker_key = _shard_key(round_, j, "json")
+        signed = run_key is None or verify_json(run_key, "checkpoint-shard", marker, place=marker_key)
         if not signed or (run_key is not None and (marker.get("round"), marker.get("shard")) != (round_, j)):
             raise CheckpointCorrupt(f"{store.url}/{_shard_key(round_, j, 'json')}: not signed with this run's key "
                                     f"for round {round_} shard {j}; refusing it, delete {prefix} to fall back")
@@ -337,15 +342,16 @@ def safe_open_metadata(blob: bytes) -> dict[str, str] | None:
 
 
 def _tensors_mac(run_key: bytes, tensors: dict[str, torch.Tensor], kind: str = "initial-parameters",
-                 extra: bytes = b"") -> str:
-    """The run's HMAC over every tensor (name, dtype, shape, bytes) and ``extra``, bound to ``kind``."""
+                 extra: bytes = b"", *, place: str = "checkpoints/initial.safetensors") -> str:
+    """The run's HMAC over every tensor (name, dtype, shape, bytes) and ``extra``, bound to ``kind`` and
+    ``place`` (the key of the object)."""
     digest = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         digest.update(f"{name}\x00{t.dtype}\x00{list(t.shape)}\x00".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     digest.update(b"\x00" + extra)
-    return mac_bytes(run_key, kind, digest.digest())
+    return mac_bytes(run_key, kind, digest.digest(), place=place)
 
 
 # ------------------------------------------------------------------------------ per-replica state
@@ -363,7 +369,8 @@ def save_replica_state(store: ObjectStore, round_: int, rank: int, tensors: dict
     text = json.dumps({"round": round_, "rank": rank, **doc}, sort_keys=True, allow_nan=False)
     metadata = {"format": str(FORMAT), "doc": text}
     if run_key is not None:
-        metadata["mac"] = _tensors_mac(run_key, tensors, "replica-state", text.encode())
+        metadata["mac"] = _tensors_mac(run_key, tensors, "replica-state", text.encode(),
+                                       place=_replica_key(round_, rank))
     store.put(_replica_key(round_, rank), st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
 
 
@@ -388,7 +395,7 @@ def load_replica_state(store: ObjectStore, round_: int, rank: int,
         raise CheckpointCorrupt(f"{where} is not a replica state ({exc}); delete it to resume without it") from exc
     if run_key is not None:
         tag = meta.get("mac")
-        want = _tensors_mac(run_key, tensors, "replica-state", str(meta["doc"]).encode())
+        want = _tensors_mac(run_key, tensors, "replica-state", str(meta["doc"]).encode(), place=key)
         if not isinstance(tag, str) or not hmac.compare_digest(tag, want):
             raise CheckpointCorrupt(f"{where} does not carry this run's signature; refusing it (docs/security.md)")
     if not isinstance(doc, dict) or doc.get("round") != round_ or doc.get("rank") != rank:
