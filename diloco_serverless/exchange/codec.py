@@ -40,7 +40,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from diloco_serverless.config import Codec
-from diloco_serverless.exchange.errors import CorruptObjectError
+from diloco_serverless.exchange.errors import CorruptObjectError, ParticipantsChangedError
 from diloco_serverless.run.integrity import mac_bytes
 
 __all__ = [
@@ -338,6 +338,13 @@ def check_fields(header: Mapping[str, Any], *, key: str, expect: ShardHeader) ->
             )
     want = asdict(expect)
     for name in ShardHeader._CHECKED:
+        if name == "participants" and None not in (header[name], want[name]) and header[name] != want[name]:
+            raise ParticipantsChangedError(
+                f"exchange object {key!r} averages ranks {_clip(header[name])}, but this replica's round has the "
+                f"participants {want[name]!r}: the round was decided twice (someone deleted a vote or its "
+                "quorum.json while it closed); failing the round rather than mixing two participant sets. Restart "
+                "the replica; check who can delete under the run's prefix (docs/security.md)"
+            )
         if header[name] != want[name]:
             what = "another run" if name == "run_id" else f"a different {name}"
             raise CorruptObjectError(
@@ -497,7 +504,10 @@ class ShardHeader:
 
     ``dtype``/``shape`` describe the whole tensor being averaged; ``numel`` is this shard's length.
     ``rank`` is the contributor for ``kind="contrib"``, the group for ``kind="partial"`` (a hierarchical
-    group's sum, always fp32) and ``None`` for ``kind="reduced"``.
+    group's sum, always fp32) and ``None`` for ``kind="reduced"``. ``participants`` are the ranks a
+    reduced shard averages (``None`` for the other kinds): a reader whose round has other participants
+    refuses it, so a replica never applies a mean over another set than its own (a deleted vote or
+    ``quorum.json`` can fail a round, never mix two sets; docs/security.md).
     """
 
     run_id: str
@@ -509,8 +519,9 @@ class ShardHeader:
     rank: int | None = None
     dtype: str = "torch.float32"
     shape: list[int] = field(default_factory=list)
+    participants: list[int] | None = None
 
-    _CHECKED = ("run_id", "round", "shard", "kind", "rank", "codec", "numel")
+    _CHECKED = ("run_id", "round", "shard", "kind", "rank", "codec", "numel", "participants")
 
 
 #: The ``__metadata__`` fields of every exchange object (all strings), checked by :func:`verify_header`.
@@ -527,6 +538,8 @@ _FIELD_RULES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "rank": ("an integer >= 0 or null", lambda v: v is None or _is_size(v)),
     "dtype": ("a string", lambda v: isinstance(v, str)),
     "shape": ("a list of integers >= 0", lambda v: isinstance(v, list) and all(_is_size(d) for d in v)),
+    "participants": ("a list of ranks or null",
+                     lambda v: v is None or (isinstance(v, list) and all(_is_size(d) for d in v))),
 }
 
 

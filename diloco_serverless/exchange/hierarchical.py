@@ -145,7 +145,8 @@ class HierarchicalRound:
     def _header(self, level: int, k: int, j: int) -> ShardHeader:
         a, b = self.bounds[j]
         kind, who, codec = ("reduced", None, self.ref.codec) if level == self.depth else ("partial", k, "fp32")
-        return ShardHeader(self.run_id, self.r, j, kind, codec, b - a, who, self.ref.dtype, self.ref.shape)  # type: ignore[arg-type]
+        return ShardHeader(self.run_id, self.r, j, kind, codec, b - a, who, self.ref.dtype, self.ref.shape,  # type: ignore[arg-type]
+                           list(self.quorum.participants) if kind == "reduced" else None)
 
     # ------------------------------------------------------------------ objects
 

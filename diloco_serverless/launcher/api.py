@@ -77,6 +77,7 @@ from diloco_serverless.launcher.status import (
     build_replica,
     run_state,
 )
+from diloco_serverless.run.final import InvalidFinal, read_done
 from diloco_serverless.run.integrity import load_local_key, new_run_key, save_local_key
 from diloco_serverless.run.layout import (
     FINAL_PREFIX,
@@ -297,7 +298,13 @@ class Run:
         return out
 
     def _has_final(self) -> bool:
-        return bool(self._store.list(FINAL_PREFIX + "/"))
+        """Whether the run's final model is written: a ``final/DONE.json`` signed with the run key (this
+        machine's copy; without one its shape is all that is checked). Other objects under ``final/``, or a
+        planted DONE.json, never make a replica count as succeeded (``Run.wait`` ends on it)."""
+        try:
+            return read_done(self._store, self._run_key) is not None
+        except InvalidFinal:
+            return False
 
     def logs(self, rank: int, *, tail: int | None = None) -> str:
         """Rank ``rank``'s log: from the executor, else ``<run>/logs/rank-<r>.log`` in the store."""
@@ -394,7 +401,8 @@ class Run:
                               "or launch with --push-to-hub ORG/NAME")
         status = self.status()
         return push_final(self._store, self.config, status, self._last_metrics, repo,
-                          private=self.config.hub.private if private is None else private, api=api)
+                          private=self.config.hub.private if private is None else private, api=api,
+                          run_key=self._run_key)
 
     # ------------------------------------------------------------------ control
     def cancel(self) -> None:
