@@ -100,3 +100,22 @@ def test_finding_11_a_planted_or_copied_manifest_never_becomes_the_latest_checkp
     assert find_latest_checkpoint(store, KEY) == 2
     store.put(f"{forged}/manifest.json", json.dumps({"format": 1, "round": 99_999_999, "num_shards": 1}).encode())
     assert find_latest_checkpoint(store, KEY) == 2  # unsigned
+
+
+def test_finding_14_an_existing_key_file_and_folder_are_tightened(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import stat
+
+    from diloco_serverless.run.integrity import RUN_KEY_ENV, local_key_path, save_local_key
+
+    monkeypatch.setenv("DILOCO_KEYS_DIR", str(tmp_path / "keys"))
+    monkeypatch.delenv(RUN_KEY_ENV, raising=False)
+    path = local_key_path("s3://bucket/runs/r1")
+    path.parent.mkdir(mode=0o755)
+    os.chmod(path.parent, 0o755)
+    path.write_text("old\n")
+    os.chmod(path, 0o644)
+    save_local_key("s3://bucket/runs/r1", new_run_key())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
