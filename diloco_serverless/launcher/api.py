@@ -77,6 +77,7 @@ from diloco_serverless.launcher.status import (
     build_replica,
     run_state,
 )
+from diloco_serverless.run.bounded import get_bounded, get_many_bounded
 from diloco_serverless.run.final import InvalidFinal, read_done
 from diloco_serverless.run.integrity import load_local_key, new_run_key, save_local_key
 from diloco_serverless.run.layout import (
@@ -96,7 +97,7 @@ from diloco_serverless.run.record import (
     timeout_policy,
 )
 from diloco_serverless.run.starts import StartRecord, read_starts
-from diloco_serverless.store.errors import ObjectNotFound
+from diloco_serverless.store.errors import ObjectNotFound, ObjectTooLarge
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.tracking import Tracker, TrackingError, check_backends
 
@@ -216,7 +217,7 @@ class Run:
         """
         keys = [k for k in self._store.list(METRICS_PREFIX + "/") if k.endswith(".json")]
         new = [k for k in keys if k not in self._metrics_cache]
-        for key, raw in self._store.get_many(new, missing_ok=True).items():
+        for key, raw in get_many_bounded(self._store, new, "metrics").items():
             try:
                 rec = json.loads(raw.decode("utf-8"))
             except ValueError:
@@ -236,8 +237,8 @@ class Run:
         if not keys:
             return None
         try:
-            rec = json.loads(self._store.get(keys[-1]).decode("utf-8"))
-        except (ValueError, ObjectNotFound):
+            rec = json.loads(get_bounded(self._store, keys[-1], "metrics").decode("utf-8"))
+        except (ValueError, ObjectNotFound, ObjectTooLarge):
             return None
         return rec if isinstance(rec, dict) else None
 

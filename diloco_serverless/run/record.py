@@ -44,9 +44,10 @@ from typing import Any
 
 from diloco_serverless.config import RUN_ID_PATTERN, RunConfig, find_secret
 from diloco_serverless.errors import ConfigError, RunError
+from diloco_serverless.run.bounded import get_bounded, get_many_bounded
 from diloco_serverless.run.integrity import mac_json, verify_json
 from diloco_serverless.run.layout import RUN_JSON, RUN_VERSION
-from diloco_serverless.store.errors import ObjectNotFound
+from diloco_serverless.store.errors import ObjectNotFound, ObjectTooLarge
 from diloco_serverless.store.objectstore import ObjectStore, TransferPolicy
 from diloco_serverless.store.retry import RetryPolicy
 
@@ -263,7 +264,10 @@ def _absolute_data_source(config: RunConfig) -> Any:
 
 def _read_record(run_store: ObjectStore, key: bytes | None) -> RunRecord:
     try:
-        raw = run_store.get(RUN_JSON)
+        raw = get_bounded(run_store, RUN_JSON, "run.json")
+    except ObjectTooLarge as exc:
+        raise InvalidRun(f"{run_store.url}/{RUN_JSON} is larger than a run record can be ({exc}); the run is "
+                         "corrupt") from None
     except ObjectNotFound:
         raise RunNotFound(
             f"no run at {run_store.url}: {RUN_JSON} does not exist; check the run URL "
@@ -363,7 +367,7 @@ def list_runs(store: ObjectStore | str, storage_options: dict[str, Any] | None =
         root = ObjectStore(store, storage_options, retry=policy)
     keys = [f"{folder}/{RUN_JSON}" for folder in root.list_dirs("")]
     out: list[RunRecord] = []
-    for key, raw in sorted(root.get_many(keys, missing_ok=True).items()):
+    for key, raw in sorted(get_many_bounded(root, keys, "run.json").items()):
         folder = key.split("/", 1)[0]
         url = join_run_url(root.url, folder)
         try:

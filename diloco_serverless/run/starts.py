@@ -26,6 +26,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from diloco_serverless.run.bounded import get_many_bounded
 from diloco_serverless.run.integrity import mac_json, verify_json
 from diloco_serverless.run.layout import STARTS_PREFIX, start_key
 from diloco_serverless.store.objectstore import ObjectStore
@@ -78,7 +79,7 @@ def read_starts(run_store: ObjectStore, *, key: bytes | None = None,
     seen: MutableMapping[str, StartRecord | None] = {} if cache is None else cache
     keys = [k for k in run_store.list(STARTS_PREFIX + "/") if _START_KEY.match(k)]
     new = [k for k in keys if k not in seen]
-    for name, raw in run_store.get_many(new, missing_ok=True).items():
+    for name, raw in get_many_bounded(run_store, new, "start").items():
         seen[name] = _parse(run_store.url, name, raw, key)
     out: dict[int, list[StartRecord]] = {}
     for name in keys:
