@@ -215,7 +215,10 @@ class LocalProcessExecutor:
         ]
         child_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
         child_env.update(REPLICA_RANK=str(rank), PYTHONUNBUFFERED="1")
-        with open(log_path, "ab") as log_fh:
+        if log_dir.is_symlink():  # a link planted as a file store's <run>/logs is never written through
+            raise OSError(f"{log_dir} is a symbolic link; remove it (logs are never written through links)")
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "ab") as log_fh:
             proc = subprocess.Popen(
                 sup_cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log_fh, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True,
