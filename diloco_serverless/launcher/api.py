@@ -503,7 +503,8 @@ class Run:
         try:
             while True:
                 status = self.status()
-                continuing = [r.rank for r in status.replicas if r.state == CONTINUE]
+                # only the executor's word restarts a rank: a heartbeat saying "continuing" is shown, not obeyed
+                continuing = [r.rank for r in status.replicas if r.state == CONTINUE and not r.from_heartbeat]
                 if continuing:
                     self.resume(ranks=continuing)
                     status = self.status()
@@ -511,7 +512,7 @@ class Run:
                     on_update(status)
                 if tracker is not None:
                     tracker.update(self._last_metrics, done=status.done)
-                if status.done:
+                if status.settled:  # a heartbeat alone saying "failed" or "done" never ends the wait
                     return self._finish(status)
                 if max_usd is not None and _over_budget(status, price or 0.0, poll_interval_s, max_usd):
                     self.cancel()
