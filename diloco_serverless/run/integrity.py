@@ -32,6 +32,8 @@ __all__ = [
     "MAC_FIELD",
     "RUN_KEY_ENV",
     "load_local_key",
+    "load_local_revision",
+    "save_local_revision",
     "local_key_path",
     "mac_bytes",
     "mac_json",
@@ -101,6 +103,26 @@ def save_local_key(run_url: str, key_hex: str) -> Path:
     with os.fdopen(fd, "w") as fh:
         fh.write(key_hex + "\n")
     return path
+
+
+def load_local_revision(run_url: str) -> int | None:
+    """The newest run.json revision this machine wrote for the run at ``run_url`` (kept next to the key
+    copy, :func:`save_local_revision`), or None when it wrote none."""
+    try:
+        text = _key_file(run_url).with_suffix(".revision").read_text("utf-8").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def save_local_revision(run_url: str, revision: int) -> None:
+    """Remember that this machine wrote revision ``revision`` of the run's run.json (mode 0600), so an
+    older, still validly signed run.json put back in the store is refused (``run/record.py``)."""
+    path = _key_file(run_url).with_suffix(".revision")
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"{int(revision)}\n")
 
 
 def local_key_path(run_url: str) -> Path:

@@ -45,7 +45,7 @@ from typing import Any
 from diloco_serverless.config import RUN_ID_PATTERN, RunConfig, find_secret
 from diloco_serverless.errors import ConfigError, RunError
 from diloco_serverless.run.bounded import get_bounded, get_many_bounded
-from diloco_serverless.run.integrity import mac_json, verify_json
+from diloco_serverless.run.integrity import load_local_revision, mac_json, save_local_revision, verify_json
 from diloco_serverless.run.layout import RUN_JSON, RUN_VERSION
 from diloco_serverless.store.errors import ObjectNotFound, ObjectTooLarge
 from diloco_serverless.store.objectstore import ObjectStore, TransferPolicy
@@ -188,7 +188,12 @@ def _shown(value: Any, limit: int = 60) -> str:
 RUN_JSON_KIND = "run.json"
 
 
-def _dumps(obj: dict[str, Any], key: bytes | None) -> bytes:
+#: The field of run.json that orders its versions: 1 at creation, +1 at every launch record (signed with the rest).
+REVISION = "revision"
+
+
+def _dumps(obj: dict[str, Any], key: bytes | None, revision: int = 1) -> bytes:
+    obj = {**obj, REVISION: revision}
     doc = mac_json(key, RUN_JSON_KIND, obj, place=RUN_JSON) if key is not None else obj
     return json.dumps(doc, indent=1, sort_keys=False).encode("utf-8")
 
@@ -246,11 +251,13 @@ def create_run(
     config = config.model_copy(update={"store": root.url, "data": _absolute_data_source(config)})
     run_store = root.child(config.run_id)
     record = RunRecord(config.run_id, _utc_now_iso(), RUN_VERSION, config, None, run_store.url)
-    if not run_store.put_if_absent(RUN_JSON, _dumps(record.to_json_dict(), key)):
+    if not run_store.put_if_absent(RUN_JSON, _dumps(record.to_json_dict(), key, 1)):
         raise RunExists(
             f"run {run_store.url} already exists; choose another run id (--set run_id=...) "
             f"or attach to it with `diloco status {run_store.url}`"
         )
+    if key is not None:
+        save_local_revision(run_store.url, 1)
     return run_store, record
 
 
@@ -283,7 +290,26 @@ def _read_record(run_store: ObjectStore, key: bytes | None) -> RunRecord:
             "someone with write access to the bucket, or belongs to another launch; refusing it. Check who can "
             "write the prefix (docs/security.md) and launch a new run"
         )
+    if key is not None:
+        _check_revision(run_store.url, data)
     return RunRecord.from_json_dict(data, url=run_store.url)
+
+
+def _revision(data: Any) -> int:
+    value = data.get(REVISION, 0) if isinstance(data, dict) else 0
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _check_revision(url: str, data: Any) -> None:
+    """InvalidRun when this machine wrote a newer run.json than ``data`` (an older one, still validly
+    signed, was put back: its handles would be acted on by cancel, status and resume)."""
+    newest = load_local_revision(url)
+    if newest is not None and _revision(data) < newest:
+        raise InvalidRun(
+            f"{url}/{RUN_JSON} is revision {_revision(data)}, older than revision {newest} this machine wrote: "
+            "an earlier version was put back by someone with write access to the bucket; refusing to act on "
+            "its handles. Check who can write the prefix (docs/security.md)"
+        )
 
 
 def load_run(
@@ -336,6 +362,11 @@ def record_launch(
     in :func:`load_run`. Returns the new record.
     """
     run_store, record = load_run(run_url, storage_options, key=key, timeout_s=timeout_s)
+    try:
+        stored = _revision(json.loads(get_bounded(run_store, RUN_JSON, "run.json").decode("utf-8")))
+    except (ValueError, UnicodeDecodeError):
+        stored = 0
+    revision = max(stored, (load_local_revision(run_store.url) or 0) if key is not None else 0) + 1
     launch = {"executor": executor_kind, "handles": list(handles), "launched_at": _utc_now_iso(), **extra}
     _refuse_secret_values(launch, "launch")
     try:
@@ -343,7 +374,9 @@ def record_launch(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"launch record for {run_store.url} is not JSON-serialisable: {exc}") from None
     new = RunRecord(record.run_id, record.created_at, record.version, record.config, launch, run_store.url)
-    run_store.put(RUN_JSON, _dumps(new.to_json_dict(), key))
+    run_store.put(RUN_JSON, _dumps(new.to_json_dict(), key, revision))
+    if key is not None:
+        save_local_revision(run_store.url, revision)
     return new
 
 
