@@ -29,7 +29,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -69,6 +69,7 @@ from diloco_serverless.launcher.status import (
     CANCELLED,
     CONTINUE,
     FAILED,
+    RUNNING,
     TERMINAL,
     RankStarts,
     ReplicaReport,
@@ -138,6 +139,10 @@ class Run:
         self._executor_error = executor_error
         self._metrics_cache: dict[str, dict[str, Any]] = {}
         self._starts_cache: dict[str, StartRecord | None] = {}  # start records never change: read once
+        # What this launcher saw itself, for a spend estimate no deletion in the store can lower:
+        self._seen_running: dict[int, float] = {}  # rank -> when a poll first said running
+        self._seen_stopped: dict[int, float] = {}  # rank -> when a later poll first said it no longer was
+        self._est_floor = 0.0  # the highest estimate given so far
         self._trust_remote_code = False  # the launcher's word on remote code, for the ranks it starts again
         self._last_metrics: dict[int, list[dict[str, Any]]] = {}  # what the latest status() read
         #: What preflight warned about at launch (a session token that expires, admin credentials...):
@@ -271,6 +276,9 @@ class Run:
             elapsed = max(0.0, elapsed - min(ages))  # a finished run's wall time ends at its last heartbeat
         price = self.usd_per_replica_hour
         est = None if price is None else price * sum(billed_seconds(replicas, elapsed)) / 3600.0
+        if price is not None and est is not None:  # never below what the executor's own answers imply, never down
+            est = max(est, price * self._observed_seconds(states, now) / 3600.0, self._est_floor)
+            self._est_floor = est
         final_url = f"{self.url}/{FINAL_PREFIX}" if final else None
         return RunStatus(
             run_id=self.run_id, url=self.url, executor=self.executor_kind, gpu=self.gpu,
@@ -297,6 +305,21 @@ class Run:
                 current.launched_at is None or hb.time >= current.launched_at)
             out[rank] = RankStarts(len(mine), own[0].time if own else None, bool(own) or hb_current, billed_before)
         return out
+
+    def _observed_seconds(self, states: Mapping[int, Any], now: float) -> float:
+        """Replica-seconds the executor's polls (not the store) show running: from the first poll that said
+        a rank runs until the first that said it no longer does (or now). Heartbeats and start records can
+        be deleted by anyone who can write the bucket; what this launcher polled cannot."""
+        total = 0.0
+        for rank, st in states.items():
+            if getattr(st, "state", None) == RUNNING:
+                self._seen_running.setdefault(rank, now)
+                self._seen_stopped.pop(rank, None)
+            elif rank in self._seen_running:
+                self._seen_stopped.setdefault(rank, now)
+            if rank in self._seen_running:
+                total += max(0.0, self._seen_stopped.get(rank, now) - self._seen_running[rank])
+        return total
 
     def _has_final(self) -> bool:
         """Whether the run's final model is written: a ``final/DONE.json`` signed with the run key (this
