@@ -28,6 +28,7 @@ disappears without recording a result (killed by hand, OOM) is ``failed`` with t
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -433,9 +434,21 @@ def _cancel_marker(state_path: Path) -> Path:
 
 
 def replica_paths(log_dir: Path, rank: int) -> tuple[Path, Path]:
-    """``(log, state)`` file of ``rank`` in ``log_dir``: where launch creates them, and the only
-    paths a handle of that rank may name."""
-    return log_dir / f"rank-{rank}.log", log_dir / f"rank-{rank}.state.json"
+    """``(log, state)`` file of ``rank``: the log in ``log_dir``, the supervisor's state file in
+    :func:`state_dir` (outside the store, even when ``log_dir`` is a file store's ``<run>/logs``: what the
+    executor reports comes from this machine only). Where launch creates them, and the only paths a
+    handle of that rank may name."""
+    return log_dir / f"rank-{rank}.log", state_dir(log_dir) / f"rank-{rank}.state.json"
+
+
+def state_dir(log_dir: Path) -> Path:
+    """This user's private folder (0700) for the supervisors' state files of the replicas logging to
+    ``log_dir``: ``$XDG_STATE_HOME/diloco-serverless/local/<hash of log_dir>`` (``~/.local/state/...``)."""
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    digest = hashlib.sha256(str(Path(log_dir).absolute()).encode("utf-8")).hexdigest()[:16]
+    folder = base / "diloco-serverless" / "local" / digest
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder
 
 
 class _Supervisor(NamedTuple):
