@@ -61,7 +61,7 @@ _CONTROL_RE = re.compile(rf"{_DATA_ROUND}/(?:ready|votes)/[^/]+")  # ready marke
 #: without values: well under 1 KiB honestly); a planted larger one is refused without being read in full.
 CONTROL_MAX_BYTES = 1 << 20
 #: Largest ``quorum.json`` (or copy) read: it holds every participant's ready marker (~0.3 KiB each).
-QUORUM_MAX_BYTES = 16 << 20
+QUORUM_MAX_BYTES = 4 << 20
 _KEEP_LAYOUTS = 8  # rounds whose layout a CountingStore remembers (the newest)
 #: Concurrent GETs of one replica: a round splits large tensors into part-sized shards (topology.split_for),
 #: so a gather is many single-part objects; the store's connection pool (64) is the real bound.

@@ -21,7 +21,7 @@ __all__ = ["LIMITS", "get_bounded", "get_many_bounded"]
 #: Largest object of each kind of control record (bytes). run.json holds the config and one handle per
 #: replica (about 0.5 KiB each); the others are one small JSON object.
 LIMITS: dict[str, int] = {
-    "run.json": 16 << 20,
+    "run.json": 4 << 20,
     "heartbeat": 1 << 20,
     "metrics": 1 << 20,
     "start": 64 << 10,

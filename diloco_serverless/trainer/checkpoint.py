@@ -63,7 +63,7 @@ __all__ = [
 
 FORMAT = 1
 #: Largest checkpoint manifest read while looking for the latest complete checkpoint (its tensor list).
-MAX_MANIFEST_BYTES = 16 << 20
+MAX_MANIFEST_BYTES = 8 << 20
 logger = logging.getLogger(__name__)
 
 
