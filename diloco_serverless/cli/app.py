@@ -38,6 +38,7 @@ from diloco_serverless import __version__
 from diloco_serverless.cli.render import (
     note_lines,
     plain,
+    plain_lines,
     progress_line,
     runs_table,
     status_renderable,
@@ -467,7 +468,7 @@ def logs(
     with _errors():
         run = _attach(run_url, store_timeout)
         text = run.logs(rank, tail=tail)
-        sys.stdout.write(text if follow or text.endswith("\n") or not text else text + "\n")
+        sys.stdout.write(plain_lines(text if follow or text.endswith("\n") or not text else text + "\n"))
         sys.stdout.flush()
         if follow:
             _follow(run, rank, text, interval_s)
@@ -481,7 +482,7 @@ def _follow(run: Any, rank: int, seen: str, interval_s: float) -> None:
             text = run.logs(rank)
             new = text[len(seen) :] if text.startswith(seen) else text
             if new:
-                sys.stdout.write(new)
+                sys.stdout.write(plain_lines(new))
                 sys.stdout.flush()
             seen = text
             if run.status().replicas[rank].state in TERMINAL:

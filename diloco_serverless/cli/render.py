@@ -56,6 +56,12 @@ def plain(value: Any, limit: int | None = None) -> str:
     return out
 
 
+def plain_lines(value: str) -> str:
+    """Log text (``diloco logs``) as inert text: each line through :func:`plain` (terminal escapes, control
+    and bidi characters shown as ``\\xNN``), the line breaks kept."""
+    return "\n".join(plain(line) for line in value.split("\n"))
+
+
 def markup_safe(value: Any, limit: int | None = None) -> str:
     """:func:`plain` then ``rich.markup.escape``: for a string Rich will parse as markup."""
     return escape(plain(value, limit))

@@ -56,6 +56,12 @@ _SHARD_OBJECT_RE = re.compile(
     rf"{_DATA_ROUND}/(?:contrib/(\d{{4,}})/rank-\d+|reduced/(\d{{4,}})(?:\.copy-\d+)?|partial/(?:l\d/)?\d{{4,}}/(\d{{4,}}))"
 )
 _ROUND_RE = re.compile(_DATA_ROUND)
+_CONTROL_RE = re.compile(rf"{_DATA_ROUND}/(?:ready|votes)/[^/]+")  # ready markers, abstentions, votes, tombstones
+#: Largest control object of a round a replica reads (a ready marker, an abstention, a vote or tombstone
+#: without values: well under 1 KiB honestly); a planted larger one is refused without being read in full.
+CONTROL_MAX_BYTES = 1 << 20
+#: Largest ``quorum.json`` (or copy) read: it holds every participant's ready marker (~0.3 KiB each).
+QUORUM_MAX_BYTES = 4 << 20
 _KEEP_LAYOUTS = 8  # rounds whose layout a CountingStore remembers (the newest)
 #: Concurrent GETs of one replica: a round splits large tensors into part-sized shards (topology.split_for),
 #: so a gather is many single-part objects; the store's connection pool (64) is the real bound.
@@ -219,10 +225,13 @@ class CountingStore:
 
     def max_bytes(self, key: str) -> int | None:
         """Largest valid size of the object at ``key``: bounded for a contribution or reduced shard
-        of a round whose layout is known, else ``None`` (no limit)."""
+        of a round whose layout is known, for ``quorum.json`` (:data:`QUORUM_MAX_BYTES`) and the round's
+        other control objects (:data:`CONTROL_MAX_BYTES`), else ``None`` (no limit)."""
         m = _SHARD_OBJECT_RE.fullmatch(key)
         if m is None:
-            return None
+            if _QUORUM_RE.fullmatch(key):
+                return QUORUM_MAX_BYTES
+            return CONTROL_MAX_BYTES if _CONTROL_RE.fullmatch(key) else None
         with self._lock:
             known = self._layouts.get(int(m.group(1)))
         if known is None:

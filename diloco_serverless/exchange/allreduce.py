@@ -58,6 +58,7 @@ from diloco_serverless.exchange.errors import (
     AbstainedError,
     CorruptObjectError,
     MismatchError,
+    ParticipantsChangedError,
     RoundPrunedError,
 )
 from diloco_serverless.exchange.gather import ReducedShards
@@ -279,6 +280,7 @@ class ObjectStoreAllReduce:
                 quorum = self._join(rs, flat, fresh=fresh)
                 rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
                 out = self._gather(rs, quorum)
+                self._confirm_quorum(rs, quorum)
         finally:
             rs.stop_early()
         if self.error_feedback and self.codec != "fp32" and rs.own is not None and not rs.stats.late:
@@ -332,7 +334,7 @@ class ObjectStoreAllReduce:
         if len(blobs) != len(keys):
             return None
         parts = [
-            decode_shard(blobs[k], key=k, expect=self._reduced_header(round, j, b, ref), run_key=self._run_key)
+            decode_shard(blobs[k], key=k, expect=self._reduced_header(round, j, b, ref, quorum), run_key=self._run_key)
             for j, (k, b) in enumerate(zip(keys, bounds))
         ]
         return torch.cat(parts).view(like.shape).to(device=like.device, dtype=like.dtype)
@@ -401,6 +403,28 @@ class ObjectStoreAllReduce:
         check_agreement(quorum, rs.me)
         return quorum
 
+    def _confirm_quorum(self, rs: _Round, quorum: Quorum) -> None:
+        """Before the round's result is applied: re-read the round's ``quorum.json`` and check it still names
+        the participants this replica used. A deleted quorum (a late replica may then create another) or a
+        different one raises :class:`ParticipantsChangedError`: deletions fail a round, never change its
+        result (docs/security.md)."""
+        io = self._io
+        assert io is not None
+        try:
+            copy = copy_to_read(rs.me)  # above 16 replicas, the copy it reads (not everyone at one key)
+            data = None if copy is None else io.get_or_none(copy)
+            now = (read_quorum(io, run_id=self.run_id, round=rs.r, run_key=self._run_key) if data is None
+                   else Quorum.parse(data, key=str(copy), run_id=self.run_id, round=rs.r, run_key=self._run_key))
+        except CorruptObjectError as e:
+            raise ParticipantsChangedError(f"round {rs.r}: its quorum.json was replaced while it closed ({e})") from e
+        if now is None or now.participants != quorum.participants:
+            what = "deleted" if now is None else f"replaced by one naming {now.participants}"
+            raise ParticipantsChangedError(
+                f"round {rs.r}: its quorum.json (participants {quorum.participants}) was {what} while the round "
+                "closed; failing the round rather than applying a participant set the other replicas may not "
+                "share. Restart the replica; check who can delete under the run's prefix (docs/security.md)"
+            )
+
     def _wait(self, deadline: float) -> QuorumWait:
         """How this replica waits for the others in a round that must end by ``deadline`` (monotonic)."""
         return QuorumWait(self.world_size, self.min_replicas, self.straggler_timeout_s, deadline,
@@ -434,10 +458,13 @@ class ObjectStoreAllReduce:
             rs.stats.phases_s["reduce"] = time.monotonic() - t
             rs.stats.participants, rs.stats.late = participants, self.rank not in participants
             rs.own = [mine.values] if mine.values is not None else None
+            round_.confirm()  # the votes that decided the participants are still there, unchanged
             return out
         quorum = quorum_of(entries, rs.me)
         rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
-        return self._gather(rs, quorum)  # rs.own: our shards if we wrote them in this call, else read back
+        out = self._gather(rs, quorum)  # rs.own: our shards if we wrote them in this call, else read back
+        round_.confirm()
+        return out
 
     def _stored_votes(self, round: int, like: torch.Tensor) -> Quorum | tuple[list[int], torch.Tensor] | None:
         """What :meth:`read_reduced` needs of a round without a quorum object: a flat round's participants
@@ -468,8 +495,8 @@ class ObjectStoreAllReduce:
         assert io is not None
         own = self._put_contributions(rs, flat, self._ready_lister(rs))
         self._before_ready(rs)
-        io.put(ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key), control_spread(self.world_size)),
-               signed_json(self._run_key, "ready", asdict(rs.me)))
+        key = ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key), control_spread(self.world_size))
+        io.put(key, signed_json(self._run_key, "ready", asdict(rs.me), key))
         return own
 
     def _ready_lister(self, rs: _Round) -> Callable[[], set[int]] | None:
@@ -499,7 +526,7 @@ class ObjectStoreAllReduce:
             key = contrib_key(rs.r, j, self.rank, self._spread)
             with encoding:
                 enc = encode_values(flat[a:b], self.codec)
-                data = pack(enc, asdict(header), self._run_key)
+                data = pack(enc, asdict(header), self._run_key, place=key)
             stored = self._write_piece(key, data, header)
             return decode_values(enc, self.codec, b - a) if stored is None else stored
 
@@ -590,7 +617,7 @@ class ObjectStoreAllReduce:
         backoff = Backoff(self.poll_interval_s)
 
         def arrived(j: int, data: bytes) -> None:
-            expect = self._reduced_header(rs.r, j, rs.bounds[j], ref)
+            expect = self._reduced_header(rs.r, j, rs.bounds[j], ref, quorum)
             place(j, decode_shard(data, key=keys[j], expect=expect, run_key=self._run_key))
 
         while len(done) < shards:
@@ -663,15 +690,15 @@ class ObjectStoreAllReduce:
             # before it restarted: its shard may be reduced already.
             stored = io.get_or_none(reduced_key(rs.r, j, self._spread))
             if stored is not None:
-                expect = self._reduced_header(rs.r, j, (a, b), ref)
+                expect = self._reduced_header(rs.r, j, (a, b), ref, quorum)
                 key = reduced_key(rs.r, j, self._spread)
                 return decode_shard(stored, key=key, expect=expect, run_key=self._run_key)
         acc = self._sum_contributions(rs, quorum, j, ref)
         acc /= len(quorum.participants)
         enc = encode_values(acc, self.codec)
         key = reduced_key(rs.r, j, self._spread)
-        expect = self._reduced_header(rs.r, j, (a, b), ref)
-        if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key)):
+        expect = self._reduced_header(rs.r, j, (a, b), ref, quorum)
+        if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key, place=key)):
             return decode_values(enc, self.codec, b - a)
         return decode_shard(io.get(key), key=key, expect=expect, run_key=self._run_key)
 
@@ -793,8 +820,10 @@ class ObjectStoreAllReduce:
             split,
         )
 
-    def _reduced_header(self, r: int, j: int, bounds: tuple[int, int], ref: ReadyMarker) -> ShardHeader:
-        return ShardHeader(self.run_id, r, j, "reduced", ref.codec, bounds[1] - bounds[0], None, ref.dtype, ref.shape)
+    def _reduced_header(self, r: int, j: int, bounds: tuple[int, int], ref: ReadyMarker,
+                        quorum: Quorum) -> ShardHeader:
+        return ShardHeader(self.run_id, r, j, "reduced", ref.codec, bounds[1] - bounds[0], None, ref.dtype, ref.shape,
+                           list(quorum.participants))
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """The error-feedback residuals carried to the next round, by key (for exact resume)."""

@@ -40,7 +40,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from diloco_serverless.config import Codec
-from diloco_serverless.exchange.errors import CorruptObjectError
+from diloco_serverless.exchange.errors import CorruptObjectError, ParticipantsChangedError
 from diloco_serverless.run.integrity import mac_bytes
 
 __all__ = [
@@ -216,14 +216,17 @@ def _checksum(header_json: str, names: list[str], buffers: Mapping[str, memoryvi
     return "sha256:" + h.hexdigest()
 
 
-def _mac(run_key: bytes, checksum: str) -> str:
-    """The run's HMAC of an object: over its checksum, which covers the format, header and every byte."""
-    return mac_bytes(run_key, "exchange-object", checksum.encode("utf-8"))
+def _mac(run_key: bytes, checksum: str, place: str) -> str:
+    """The run's HMAC of an object: over its checksum, which covers the format, header and every byte,
+    bound to ``place``, the key it is stored at (:func:`~diloco_serverless.run.integrity.mac_bytes`)."""
+    return mac_bytes(run_key, "exchange-object", checksum.encode("utf-8"), place=place)
 
 
-def pack(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], run_key: bytes | None = None) -> bytes:
+def pack(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], run_key: bytes | None = None,
+         *, place: str | None = None) -> bytes:
     """Serialise ``tensors`` as safetensors with ``header`` (JSON-able), a checksum and, with the run
-    key, an HMAC (``mac``) that readers holding the key require.
+    key, an HMAC (``mac``) bound to ``place`` (the key the object will be stored at; required with a
+    run key) that readers holding the key require: a copy of the object at any other key is refused.
 
     The file is written directly (one copy of the data) and is readable by any safetensors reader.
     """
@@ -233,7 +236,9 @@ def pack(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any], run_key
     checksum = _checksum(header_json, names, bufs)
     meta = {"format": FORMAT, "header": header_json, "checksum": checksum}
     if run_key is not None:
-        meta["mac"] = _mac(run_key, checksum)
+        if place is None:
+            raise ValueError("a signed exchange object needs its place: pass place=<the key it is written at>")
+        meta["mac"] = _mac(run_key, checksum, place)
     st_header: dict[str, Any] = {"__metadata__": meta}
     layout = sorted(names, key=lambda n: -tensors[n].element_size())  # keep every tensor aligned
     offset = 0
@@ -279,8 +284,8 @@ def verify_header(
     tensor, that the header text is a JSON object, and, with ``expect``, that it has every
     :class:`ShardHeader` field with the right type (:data:`_FIELD_RULES`) and the same run id,
     round, shard, kind, rank, codec and element count as ``expect``. With ``run_key``, the object
-    must also carry the run's HMAC (``mac``) of its checksum. Raises :class:`CorruptObjectError`
-    naming ``key`` and what is wrong.
+    must also carry the run's HMAC (``mac``) of its checksum, bound to ``key`` (where it was read).
+    Raises :class:`CorruptObjectError` naming ``key`` and what is wrong.
 
     To add a field (say a MAC over the same bytes as the checksum): write it in :func:`pack`, add its
     name to :data:`_METADATA_FIELDS` (or, for a field of the shard header, to :class:`ShardHeader`
@@ -302,10 +307,11 @@ def verify_header(
                 f"(stored {_clip(meta['checksum'], 24)}, computed {got[:20]}...); "
                 "it was corrupted in transit or at rest and is not averaged in"
             )
-        if run_key is not None and not hmac.compare_digest(str(meta.get("mac", "")), _mac(run_key, got)):
+        if run_key is not None and not hmac.compare_digest(str(meta.get("mac", "")), _mac(run_key, got, key)):
             raise CorruptObjectError(
-                f"exchange object {key!r} does not carry this run's signature (forged, or written by another "
-                "launch of the same run id); refusing it. Check who can write the bucket prefix (docs/security.md)"
+                f"exchange object {key!r} does not carry this run's signature for this key (forged, copied from "
+                "another key, or written by another launch of the same run id); refusing it. Check who can write "
+                "the bucket prefix (docs/security.md)"
             )
         header = _loads(header_json, "its header text")
     except _Malformed as e:
@@ -332,6 +338,13 @@ def check_fields(header: Mapping[str, Any], *, key: str, expect: ShardHeader) ->
             )
     want = asdict(expect)
     for name in ShardHeader._CHECKED:
+        if name == "participants" and None not in (header[name], want[name]) and header[name] != want[name]:
+            raise ParticipantsChangedError(
+                f"exchange object {key!r} averages ranks {_clip(header[name])}, but this replica's round has the "
+                f"participants {want[name]!r}: the round was decided twice (someone deleted a vote or its "
+                "quorum.json while it closed); failing the round rather than mixing two participant sets. Restart "
+                "the replica; check who can delete under the run's prefix (docs/security.md)"
+            )
         if header[name] != want[name]:
             what = "another run" if name == "run_id" else f"a different {name}"
             raise CorruptObjectError(
@@ -491,7 +504,10 @@ class ShardHeader:
 
     ``dtype``/``shape`` describe the whole tensor being averaged; ``numel`` is this shard's length.
     ``rank`` is the contributor for ``kind="contrib"``, the group for ``kind="partial"`` (a hierarchical
-    group's sum, always fp32) and ``None`` for ``kind="reduced"``.
+    group's sum, always fp32) and ``None`` for ``kind="reduced"``. ``participants`` are the ranks a
+    reduced shard averages (``None`` for the other kinds): a reader whose round has other participants
+    refuses it, so a replica never applies a mean over another set than its own (a deleted vote or
+    ``quorum.json`` can fail a round, never mix two sets; docs/security.md).
     """
 
     run_id: str
@@ -503,8 +519,9 @@ class ShardHeader:
     rank: int | None = None
     dtype: str = "torch.float32"
     shape: list[int] = field(default_factory=list)
+    participants: list[int] | None = None
 
-    _CHECKED = ("run_id", "round", "shard", "kind", "rank", "codec", "numel")
+    _CHECKED = ("run_id", "round", "shard", "kind", "rank", "codec", "numel", "participants")
 
 
 #: The ``__metadata__`` fields of every exchange object (all strings), checked by :func:`verify_header`.
@@ -521,15 +538,18 @@ _FIELD_RULES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "rank": ("an integer >= 0 or null", lambda v: v is None or _is_size(v)),
     "dtype": ("a string", lambda v: isinstance(v, str)),
     "shape": ("a list of integers >= 0", lambda v: isinstance(v, list) and all(_is_size(d) for d in v)),
+    "participants": ("a list of ranks or null",
+                     lambda v: v is None or (isinstance(v, list) and all(_is_size(d) for d in v))),
 }
 
 
-def encode_shard(values: torch.Tensor, header: ShardHeader, run_key: bytes | None = None) -> bytes:
-    """Encode a flat fp32 shard with ``header.codec`` into a verified (and, with the run key, signed)
-    safetensors object."""
+def encode_shard(values: torch.Tensor, header: ShardHeader, run_key: bytes | None = None,
+                 *, place: str | None = None) -> bytes:
+    """Encode a flat fp32 shard with ``header.codec`` into a verified (and, with the run key, signed for
+    ``place``, the key it is written at) safetensors object."""
     if values.numel() != header.numel:
         raise ValueError(f"shard {header.shard} has {values.numel()} elements but its header says {header.numel}")
-    return pack(encode_values(values, header.codec), asdict(header), run_key)
+    return pack(encode_values(values, header.codec), asdict(header), run_key, place=place)
 
 
 def decode_shard(data: bytes, *, key: str, expect: ShardHeader, run_key: bytes | None = None) -> torch.Tensor:

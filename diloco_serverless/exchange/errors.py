@@ -27,3 +27,10 @@ class AbstainedError(ExchangeError):
     """Too few replicas can contribute to a round because some abstained (their values were not
     finite) and ``min_replicas`` does not allow closing the round without them. Raised identically
     on every replica; the message names the abstaining ranks and their reasons."""
+
+
+class ParticipantsChangedError(ExchangeError):
+    """What decided a round's participants (a replica's own vote, a tombstone, ``quorum.json``) was
+    deleted or replaced while the round closed: applying the result could give this replica another
+    participant set than the others, so the round fails instead (docs/security.md, "Deletions never
+    change a result"). The replica's restart re-runs the round from what the store then holds."""

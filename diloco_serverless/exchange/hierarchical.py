@@ -145,7 +145,8 @@ class HierarchicalRound:
     def _header(self, level: int, k: int, j: int) -> ShardHeader:
         a, b = self.bounds[j]
         kind, who, codec = ("reduced", None, self.ref.codec) if level == self.depth else ("partial", k, "fp32")
-        return ShardHeader(self.run_id, self.r, j, kind, codec, b - a, who, self.ref.dtype, self.ref.shape)  # type: ignore[arg-type]
+        return ShardHeader(self.run_id, self.r, j, kind, codec, b - a, who, self.ref.dtype, self.ref.shape,  # type: ignore[arg-type]
+                           list(self.quorum.participants) if kind == "reduced" else None)
 
     # ------------------------------------------------------------------ objects
 
@@ -171,7 +172,7 @@ class HierarchicalRound:
         header = self._header(level, k, j)
         key = self.key(level, k, j)
         enc = encode_values(acc, header.codec)
-        data = pack(enc, asdict(header), self.run_key)
+        data = pack(enc, asdict(header), self.run_key, place=key)
         if self.io.put_if_absent(key, data):
             out = decode_values(enc, header.codec, header.numel)
             if level == self.depth:  # the copies of our original (a writer that lost leaves them to the winner)

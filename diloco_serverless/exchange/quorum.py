@@ -129,8 +129,8 @@ def marker_tag(marker: ReadyMarker, run_key: bytes | None) -> str:
     without a run key the SHA-256 of the marker's canonical JSON (integrity, not authenticity, as for
     everything in a run without a key)."""
     doc = asdict(marker)
-    if run_key is not None:
-        return str(mac_json(run_key, "ready", doc)[MAC_FIELD])
+    if run_key is not None:  # signed for the marker's place: rank r's marker of its round, wherever it is spread
+        return str(mac_json(run_key, "ready", doc, place=ready_key(marker.round, marker.rank))[MAC_FIELD])
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
@@ -169,7 +169,11 @@ def collect_markers(fetched: Fetched, ranks: list[int], run_key: bytes | None) -
         key, future = held
         data = future.result()
         if data is not None:
-            out[r] = ReadyMarker.parse(data, key=key, run_key=run_key)
+            marker = ReadyMarker.parse(data, key=key, run_key=run_key)
+            if marker.rank != r:
+                raise CorruptObjectError(f"ready marker {key!r} is rank {marker.rank}'s, found under rank {r}'s "
+                                         "key; refusing it")
+            out[r] = marker
     return out
 
 
@@ -234,17 +238,20 @@ def abstained_in(keys: list[str]) -> set[int]:
     return {int(m.group(1)) for m in map(_ABSTAIN_RE.search, keys) if m}
 
 
-def signed_json(run_key: bytes | None, kind: str, obj: dict[str, Any]) -> bytes:
-    """``obj`` as JSON bytes, with its HMAC under the run key when there is one."""
-    return json_bytes(mac_json(run_key, kind, obj) if run_key is not None else obj)
+def signed_json(run_key: bytes | None, kind: str, obj: dict[str, Any], key: str) -> bytes:
+    """``obj`` as JSON bytes, with its HMAC under the run key when there is one, bound to ``key`` (where it
+    is written: :func:`~diloco_serverless.run.integrity.place_of`)."""
+    return json_bytes(mac_json(run_key, kind, obj, place=key) if run_key is not None else obj)
 
 
 def check_signature(run_key: bytes | None, kind: str, obj: object, key: str) -> None:
-    """With a run key, refuse (CorruptObjectError naming ``key``) an object not signed with it."""
-    if run_key is not None and not verify_json(run_key, kind, obj):
+    """With a run key, refuse (CorruptObjectError naming ``key``) an object not signed with it for ``key``,
+    the key it was read from."""
+    if run_key is not None and not verify_json(run_key, kind, obj, place=key):
         raise CorruptObjectError(
-            f"{kind} object {key!r} does not carry this run's signature (forged, or written by another launch "
-            "of the same run id); refusing it. Check who can write the bucket prefix (docs/security.md)"
+            f"{kind} object {key!r} does not carry this run's signature for this key (forged, copied from another "
+            "key, or written by another launch of the same run id); refusing it. Check who can write the bucket "
+            "prefix (docs/security.md)"
         )
 
 
@@ -252,7 +259,8 @@ def write_abstention(io: CountingStore, me: ReadyMarker, reason: str, run_key: b
     """Announce that ``me.rank`` will not contribute to ``me.round`` (why: ``reason``), so the others
     close the round without waiting for it, or fail at once if they cannot."""
     record = {"run_id": me.run_id, "round": me.round, "rank": me.rank, "reason": reason[:500]}
-    io.put(abstain_key(me.round, me.rank, control_spread(me.world_size)), signed_json(run_key, "abstain", record))
+    key = abstain_key(me.round, me.rank, control_spread(me.world_size))
+    io.put(key, signed_json(run_key, "abstain", record, key))
 
 
 def _read_abstention(io: CountingStore, me: ReadyMarker, rank: int, run_key: bytes | None) -> str | None:
@@ -264,7 +272,8 @@ def _read_abstention(io: CountingStore, me: ReadyMarker, rank: int, run_key: byt
         check_signature(run_key, "abstain", obj, key)
     except (ValueError, UnicodeDecodeError, CorruptObjectError):
         return None
-    if not isinstance(obj, dict) or obj.get("run_id") != me.run_id or obj.get("round") != me.round:
+    if (not isinstance(obj, dict) or obj.get("run_id") != me.run_id or obj.get("round") != me.round
+            or obj.get("rank") != rank):
         return None
     return " ".join(str(obj.get("reason", "?")).split())[:200]
 
@@ -331,7 +340,7 @@ def _try_create(
     if not markers:
         return None
     q = Quorum(me.run_id, me.round, sorted(markers), markers, me.rank)
-    data = signed_json(run_key, "quorum", q.to_json())
+    data = signed_json(run_key, "quorum", q.to_json(), quorum_key(me.round))
     if io.put_if_absent(quorum_key(me.round), data):
         put_copies(io, me, data)
         return q

@@ -46,6 +46,7 @@ from diloco_serverless.exchange.quorum import (
     signed_json,
     write_abstention,
 )
+from diloco_serverless.run.integrity import scoped_key
 from diloco_serverless.run.layout import control_spread, quorum_key, ready_prefix, slice_prefix
 from diloco_serverless.store.objectstore import ObjectStore
 
@@ -80,6 +81,14 @@ class SlicedAllReduce(ObjectStoreAllReduce):
             )
         super().__init__(url, rank, world_size, **options)
         self.slice_index, self.slices = slice_index, slices
+        # Each slice's objects are signed with the run key scoped to its prefix (slices/<g>): its keys are
+        # relative to that prefix, so the scope is what binds an object to its slice (a slice-0 object
+        # copied to the same key under slices/01 is refused). Slice 0's key reads the leader's quorum.
+        run_key = self._run_key
+        self._slice_keys: list[bytes | None] = [
+            None if run_key is None else scoped_key(run_key, slice_prefix(h)) for h in range(slices)
+        ]
+        self._run_key = self._slice_keys[slice_index]
         self._slice_io: list[CountingStore] = []
         if self._io is not None:
             run_store = self._io.store
@@ -126,7 +135,7 @@ class SlicedAllReduce(ObjectStoreAllReduce):
         assert io is not None and rs.stats is not None
         lead = self._slice_io[0]
         t = time.monotonic()
-        if read_quorum(lead, run_id=self.run_id, round=rs.r, run_key=self._run_key) is None:
+        if read_quorum(lead, run_id=self.run_id, round=rs.r, run_key=self._slice_keys[0]) is None:
             if rs.stats.abstained is None:
                 rs.own = self._publish(rs, flat)
             else:
@@ -138,7 +147,7 @@ class SlicedAllReduce(ObjectStoreAllReduce):
             leader = self._wait_leader_quorum(rs)
             markers = self._wait_markers(rs, leader.participants)
             mine = Quorum(self.run_id, rs.r, list(leader.participants), markers, self.rank)
-            io.put_if_absent(quorum_key(rs.r), signed_json(self._run_key, "quorum", mine.to_json()))
+            io.put_if_absent(quorum_key(rs.r), signed_json(self._run_key, "quorum", mine.to_json(), quorum_key(rs.r)))
             quorum = read_quorum(io, run_id=self.run_id, round=rs.r, run_key=self._run_key)
             assert quorum is not None  # we or another follower just created it
         rs.stats.wait_s += time.monotonic() - waited
@@ -153,7 +162,7 @@ class SlicedAllReduce(ObjectStoreAllReduce):
         started, last_skip_check = time.monotonic(), 0.0
         backoff = Backoff(self.poll_interval_s)
         while True:
-            q = read_quorum(lead, run_id=self.run_id, round=rs.r, run_key=self._run_key)
+            q = read_quorum(lead, run_id=self.run_id, round=rs.r, run_key=self._slice_keys[0])
             if q is not None:
                 return q
             now = time.monotonic()

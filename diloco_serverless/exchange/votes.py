@@ -50,7 +50,12 @@ from diloco_serverless.exchange.codec import (
     roundtrip,
     unpack,
 )
-from diloco_serverless.exchange.errors import AbstainedError, CorruptObjectError, MismatchError
+from diloco_serverless.exchange.errors import (
+    AbstainedError,
+    CorruptObjectError,
+    MismatchError,
+    ParticipantsChangedError,
+)
 from diloco_serverless.exchange.polling import Backoff
 from diloco_serverless.exchange.quorum import (
     Quorum,
@@ -61,11 +66,17 @@ from diloco_serverless.exchange.quorum import (
     grace_s,
 )
 from diloco_serverless.run.layout import contrib_key, spread_count, vote_key
+from diloco_serverless.store.errors import ObjectNotFound
 
 __all__ = ["Entry", "VotedRound", "mean_of", "quorum_of", "quorumless", "read_entry"]
 
 #: The header field that makes an exchange object a tombstone (its value: why the rank is left out).
 EXCLUDED = "excluded"
+
+
+def _md5(data: bytes) -> str:
+    """The MD5 of an object's bytes, as a store listing shows it (S3's ETag, GCS's md5Hash)."""
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 def quorumless(marker: ReadyMarker, *, quorum: bool = False) -> bool:
@@ -110,13 +121,13 @@ def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -
     """Rank ``me.rank``'s contribution object (its marker in the header) and the values others will decode."""
     enc = encode_values(values, me.codec)
     header = {**asdict(piece_header(me, 0, (0, me.numel))), "marker": asdict(me)}
-    return pack(enc, header, run_key), decode_values(enc, me.codec, me.numel)
+    return pack(enc, header, run_key, place=vote_keys(me)[me.rank]), decode_values(enc, me.codec, me.numel)
 
 
 def vote(me: ReadyMarker, run_key: bytes | None) -> bytes:
     """Rank ``me.rank``'s vote when its contribution is several objects: its marker, no values."""
     header = {"run_id": me.run_id, "round": me.round, "shard": 0, "rank": me.rank, "marker": asdict(me)}
-    return pack({}, header, run_key)
+    return pack({}, header, run_key, place=vote_keys(me)[me.rank])
 
 
 def piece_header(marker: ReadyMarker, j: int, bounds: tuple[int, int]) -> ShardHeader:
@@ -130,7 +141,7 @@ def tombstone(me: ReadyMarker, rank: int, reason: str, run_key: bytes | None) ->
     """The tombstone ``me.rank`` writes at rank ``rank``'s contribution key: why ``rank`` is left out."""
     header = {"run_id": me.run_id, "round": me.round, "shard": 0, "rank": rank, EXCLUDED: reason[:500],
               "by": me.rank}
-    return pack({}, header, run_key)
+    return pack({}, header, run_key, place=vote_keys(me)[rank])
 
 
 def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run_key: bytes | None) -> Entry:
@@ -217,6 +228,7 @@ class VotedRound:
         self.put_share = put_share
         self.keys = vote_keys(me)
         self._expected_md5: dict[int, str] = {}  # rank -> MD5 of the vote we expect of it (_as_expected)
+        self._decided_by: dict[int, str] = {}  # rank -> MD5 of the object that decided its entry (confirm)
         self.prefix = self.keys[0].rsplit("/", 1)[0]
         self.entries: dict[int, Entry] = {}
         self.pieces: dict[int, list[Future[bytes | None]]] = {}  # rank -> GETs of its pieces under way
@@ -232,7 +244,7 @@ class VotedRound:
         if not whole_vote(me) and not fresh:
             stored = self.io.get_or_none(key)
             if stored is not None:
-                return self._settle(self._read(me.rank, stored))
+                return self._settle(self._read_own(stored))
         if abstain is not None:
             blob, mine = tombstone(me, me.rank, abstain, run_key), Entry(me.rank, reason=abstain, by=me.rank)
         elif whole_vote(me):
@@ -246,9 +258,41 @@ class VotedRound:
             self.put_share(flat)
             blob, mine = vote(me, run_key), Entry(me.rank, marker=me)
         if not self.io.put_if_absent(key, blob):
-            return self._settle(self._read(me.rank, self.io.get(key)))
+            return self._settle(self._read_own(self.io.get(key)))
+        self._decided_by[me.rank] = _md5(blob)
         self.entries[me.rank] = mine
         return mine
+
+    def confirm(self) -> None:
+        """Check, before the round's result is applied, that every vote key still holds the object that
+        decided its rank's entry here (our own vote included): one listing, plus a GET of each key whose
+        MD5 the listing does not show (local stores). A key deleted or replaced since (someone deleted a
+        vote, and another replica then tombstoned it) raises :class:`ParticipantsChangedError`: this
+        replica could otherwise apply another participant set than the others. Deletions fail a round,
+        never change its result. On S3 and GCS the listing shows every MD5: no object is read again."""
+        listed = self.io.list_md5(self.prefix)
+        changed = []
+        for q, key in sorted(self.keys.items()):
+            want = self._decided_by.get(q)
+            if want is None or key not in listed:
+                changed.append((q, "gone" if key not in listed else "not read"))
+                continue
+            got = listed[key]
+            if got is None:  # a local or memory store (its listing shows no MD5): read it there, off the byte count
+                try:
+                    got = _md5(self.io.store.get(key))
+                except ObjectNotFound:
+                    got = None
+            if got != want:
+                changed.append((q, "gone" if got is None else "replaced"))
+        if changed:
+            what = ", ".join(f"rank {q}'s vote key {how}" for q, how in changed)
+            raise ParticipantsChangedError(
+                f"round {self.me.round}: what decided its participants changed while it closed ({what}; keys under "
+                f"{self.prefix}/). Someone deleted objects of the round: failing it rather than applying a "
+                "participant set the other replicas may not share. Restart the replica; check who can delete "
+                "under the run's prefix (docs/security.md)"
+            )
 
     def complete(self) -> bool:
         """Whether every rank's vote key holds something (one listing; nothing is read)."""
@@ -263,6 +307,7 @@ class VotedRound:
         if len(blobs) != len(self.keys):
             return None  # pruned meanwhile
         for q, k in self.keys.items():
+            self._decided_by[q] = _md5(blobs[k])
             self._add(self._read(q, blobs[k]))
         self._read_pieces()
         return dict(sorted(self.entries.items()))
@@ -289,6 +334,7 @@ class VotedRound:
             present = {q for q in ranks_in(list(listed)) if 0 <= q < n} | set(self.entries)
             for q in sorted(present - set(self.entries) - set(reading)):
                 if self._as_expected(q, listed.get(self.keys[q])):
+                    self._decided_by[q] = self._expected_md5[q]
                     self._add(Entry(q, marker=replace(self.me, rank=q)))
                 else:  # a vote without values is a control object: own pool
                     reading[q] = io.get_async(self.keys[q], control=not whole_vote(self.me))
@@ -352,6 +398,7 @@ class VotedRound:
             del reading[q]
             data = fut.result()
             if data is not None:  # gone again: the round is being pruned; the listing will tell
+                self._decided_by[q] = _md5(data)
                 self._add(self._read(q, data))
 
     def _add(self, entry: Entry) -> None:
@@ -384,6 +431,10 @@ class VotedRound:
         self._read_pieces()
         return self.entries[entry.rank]
 
+    def _read_own(self, data: bytes) -> Entry:
+        self._decided_by[self.me.rank] = _md5(data)
+        return self._read(self.me.rank, data)
+
     def _put_pieces(self, flat: torch.Tensor) -> torch.Tensor:
         """PUT our share's pieces concurrently; returns the values others will decode."""
         me, bounds = self.me, shard_bounds(self.me.numel, self.me.split)
@@ -392,7 +443,8 @@ class VotedRound:
             a, b = bounds[j]
             enc = encode_values(flat[a:b], me.codec)
             header = asdict(piece_header(me, j, (a, b)))
-            self.io.put(contrib_key(me.round, j, me.rank), pack(enc, header, self.p.run_key))
+            key = contrib_key(me.round, j, me.rank)
+            self.io.put(key, pack(enc, header, self.p.run_key, place=key))
             return decode_values(enc, me.codec, b - a)
 
         with ThreadPoolExecutor(max_workers=min(len(bounds), 32), thread_name_prefix=f"pieces-{me.rank}") as pool:
@@ -408,11 +460,12 @@ class VotedRound:
                   f"({self.p.straggler_timeout_s:g} s)")
         if not ranks:
             return
+        blobs = {q: tombstone(self.me, q, reason, self.p.run_key) for q in ranks}
         with ThreadPoolExecutor(max_workers=len(ranks), thread_name_prefix=f"exclude-{self.me.rank}") as pool:
-            created = dict(zip(ranks, pool.map(
-                lambda q: self.io.put_if_absent(self.keys[q], tombstone(self.me, q, reason, self.p.run_key)), ranks)))
+            created = dict(zip(ranks, pool.map(lambda q: self.io.put_if_absent(self.keys[q], blobs[q]), ranks)))
         for q in ranks:
             if created[q]:
+                self._decided_by[q] = _md5(blobs[q])
                 self._add(Entry(q, reason=reason, by=self.me.rank))
 
     def _check_enough(self) -> None:

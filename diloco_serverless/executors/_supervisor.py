@@ -111,7 +111,9 @@ def supervise(cmd: list[str], rank: int, retries: int, log_path: Path, state_pat
     exit with CONTINUE_EXIT_CODE are followed by the next one at once and are not failures). Returns 0/1."""
     state = _State(state_path, rank, retries)
     state.update()
-    with open(log_path, "ab", buffering=0) as log_fh:
+    # O_NOFOLLOW: a link planted at the log's path (in a file store's run folder) is never appended to
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "ab", buffering=0) as log_fh:
         attempt = failures = 0
         while True:
             _log(log_fh, f"rank {rank} attempt {attempt}: starting {' '.join(cmd)}")

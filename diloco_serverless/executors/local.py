@@ -28,6 +28,7 @@ disappears without recording a result (killed by hand, OOM) is ``failed`` with t
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -215,7 +216,10 @@ class LocalProcessExecutor:
         ]
         child_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
         child_env.update(REPLICA_RANK=str(rank), PYTHONUNBUFFERED="1")
-        with open(log_path, "ab") as log_fh:
+        if log_dir.is_symlink():  # a link planted as a file store's <run>/logs is never written through
+            raise OSError(f"{log_dir} is a symbolic link; remove it (logs are never written through links)")
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "ab") as log_fh:
             proc = subprocess.Popen(
                 sup_cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log_fh, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True,
@@ -430,9 +434,21 @@ def _cancel_marker(state_path: Path) -> Path:
 
 
 def replica_paths(log_dir: Path, rank: int) -> tuple[Path, Path]:
-    """``(log, state)`` file of ``rank`` in ``log_dir``: where launch creates them, and the only
-    paths a handle of that rank may name."""
-    return log_dir / f"rank-{rank}.log", log_dir / f"rank-{rank}.state.json"
+    """``(log, state)`` file of ``rank``: the log in ``log_dir``, the supervisor's state file in
+    :func:`state_dir` (outside the store, even when ``log_dir`` is a file store's ``<run>/logs``: what the
+    executor reports comes from this machine only). Where launch creates them, and the only paths a
+    handle of that rank may name."""
+    return log_dir / f"rank-{rank}.log", state_dir(log_dir) / f"rank-{rank}.state.json"
+
+
+def state_dir(log_dir: Path) -> Path:
+    """This user's private folder (0700) for the supervisors' state files of the replicas logging to
+    ``log_dir``: ``$XDG_STATE_HOME/diloco-serverless/local/<hash of log_dir>`` (``~/.local/state/...``)."""
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    digest = hashlib.sha256(str(Path(log_dir).absolute()).encode("utf-8")).hexdigest()[:16]
+    folder = base / "diloco-serverless" / "local" / digest
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder
 
 
 class _Supervisor(NamedTuple):

@@ -29,7 +29,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -69,6 +69,7 @@ from diloco_serverless.launcher.status import (
     CANCELLED,
     CONTINUE,
     FAILED,
+    RUNNING,
     TERMINAL,
     RankStarts,
     ReplicaReport,
@@ -77,6 +78,8 @@ from diloco_serverless.launcher.status import (
     build_replica,
     run_state,
 )
+from diloco_serverless.run.bounded import get_bounded, get_many_bounded
+from diloco_serverless.run.final import InvalidFinal, read_done
 from diloco_serverless.run.integrity import load_local_key, new_run_key, save_local_key
 from diloco_serverless.run.layout import (
     FINAL_PREFIX,
@@ -95,7 +98,7 @@ from diloco_serverless.run.record import (
     timeout_policy,
 )
 from diloco_serverless.run.starts import StartRecord, read_starts
-from diloco_serverless.store.errors import ObjectNotFound
+from diloco_serverless.store.errors import ObjectNotFound, ObjectTooLarge
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.tracking import Tracker, TrackingError, check_backends
 
@@ -136,6 +139,10 @@ class Run:
         self._executor_error = executor_error
         self._metrics_cache: dict[str, dict[str, Any]] = {}
         self._starts_cache: dict[str, StartRecord | None] = {}  # start records never change: read once
+        # What this launcher saw itself, for a spend estimate no deletion in the store can lower:
+        self._seen_running: dict[int, float] = {}  # rank -> when a poll first said running
+        self._seen_stopped: dict[int, float] = {}  # rank -> when a later poll first said it no longer was
+        self._est_floor = 0.0  # the highest estimate given so far
         self._trust_remote_code = False  # the launcher's word on remote code, for the ranks it starts again
         self._last_metrics: dict[int, list[dict[str, Any]]] = {}  # what the latest status() read
         #: What preflight warned about at launch (a session token that expires, admin credentials...):
@@ -215,7 +222,7 @@ class Run:
         """
         keys = [k for k in self._store.list(METRICS_PREFIX + "/") if k.endswith(".json")]
         new = [k for k in keys if k not in self._metrics_cache]
-        for key, raw in self._store.get_many(new, missing_ok=True).items():
+        for key, raw in get_many_bounded(self._store, new, "metrics").items():
             try:
                 rec = json.loads(raw.decode("utf-8"))
             except ValueError:
@@ -235,8 +242,8 @@ class Run:
         if not keys:
             return None
         try:
-            rec = json.loads(self._store.get(keys[-1]).decode("utf-8"))
-        except (ValueError, ObjectNotFound):
+            rec = json.loads(get_bounded(self._store, keys[-1], "metrics").decode("utf-8"))
+        except (ValueError, ObjectNotFound, ObjectTooLarge):
             return None
         return rec if isinstance(rec, dict) else None
 
@@ -269,6 +276,9 @@ class Run:
             elapsed = max(0.0, elapsed - min(ages))  # a finished run's wall time ends at its last heartbeat
         price = self.usd_per_replica_hour
         est = None if price is None else price * sum(billed_seconds(replicas, elapsed)) / 3600.0
+        if price is not None and est is not None:  # never below what the executor's own answers imply, never down
+            est = max(est, price * self._observed_seconds(states, now) / 3600.0, self._est_floor)
+            self._est_floor = est
         final_url = f"{self.url}/{FINAL_PREFIX}" if final else None
         return RunStatus(
             run_id=self.run_id, url=self.url, executor=self.executor_kind, gpu=self.gpu,
@@ -296,8 +306,29 @@ class Run:
             out[rank] = RankStarts(len(mine), own[0].time if own else None, bool(own) or hb_current, billed_before)
         return out
 
+    def _observed_seconds(self, states: Mapping[int, Any], now: float) -> float:
+        """Replica-seconds the executor's polls (not the store) show running: from the first poll that said
+        a rank runs until the first that said it no longer does (or now). Heartbeats and start records can
+        be deleted by anyone who can write the bucket; what this launcher polled cannot."""
+        total = 0.0
+        for rank, st in states.items():
+            if getattr(st, "state", None) == RUNNING:
+                self._seen_running.setdefault(rank, now)
+                self._seen_stopped.pop(rank, None)
+            elif rank in self._seen_running:
+                self._seen_stopped.setdefault(rank, now)
+            if rank in self._seen_running:
+                total += max(0.0, self._seen_stopped.get(rank, now) - self._seen_running[rank])
+        return total
+
     def _has_final(self) -> bool:
-        return bool(self._store.list(FINAL_PREFIX + "/"))
+        """Whether the run's final model is written: a ``final/DONE.json`` signed with the run key (this
+        machine's copy; without one its shape is all that is checked). Other objects under ``final/``, or a
+        planted DONE.json, never make a replica count as succeeded (``Run.wait`` ends on it)."""
+        try:
+            return read_done(self._store, self._run_key) is not None
+        except InvalidFinal:
+            return False
 
     def logs(self, rank: int, *, tail: int | None = None) -> str:
         """Rank ``rank``'s log: from the executor, else ``<run>/logs/rank-<r>.log`` in the store."""
@@ -394,7 +425,8 @@ class Run:
                               "or launch with --push-to-hub ORG/NAME")
         status = self.status()
         return push_final(self._store, self.config, status, self._last_metrics, repo,
-                          private=self.config.hub.private if private is None else private, api=api)
+                          private=self.config.hub.private if private is None else private, api=api,
+                          run_key=self._run_key)
 
     # ------------------------------------------------------------------ control
     def cancel(self) -> None:
@@ -494,7 +526,8 @@ class Run:
         try:
             while True:
                 status = self.status()
-                continuing = [r.rank for r in status.replicas if r.state == CONTINUE]
+                # only the executor's word restarts a rank: a heartbeat saying "continuing" is shown, not obeyed
+                continuing = [r.rank for r in status.replicas if r.state == CONTINUE and not r.from_heartbeat]
                 if continuing:
                     self.resume(ranks=continuing)
                     status = self.status()
@@ -502,7 +535,7 @@ class Run:
                     on_update(status)
                 if tracker is not None:
                     tracker.update(self._last_metrics, done=status.done)
-                if status.done:
+                if status.settled:  # a heartbeat alone saying "failed" or "done" never ends the wait
                     return self._finish(status)
                 if max_usd is not None and _over_budget(status, price or 0.0, poll_interval_s, max_usd):
                     self.cancel()

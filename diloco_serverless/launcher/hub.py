@@ -7,9 +7,10 @@
     diloco launch ... --push-to-hub my-org/x       # after the run succeeds (hub.repo_id)
 
 Only a run that **succeeded** is pushed, and only when its ``final/`` is complete (``final/DONE.json``,
-written after the last file); anything else is refused with a :class:`LaunchError` saying why. The
-files of ``final/`` (the ``save_pretrained`` folder: config, safetensors, tokenizer) are copied from the
-store into a temporary folder with a ``README.md`` model card (base model, data, config, rounds,
+written after the last file, signed with the run key: :mod:`diloco_serverless.run.final`); anything
+else is refused with a :class:`LaunchError` saying why. Exactly the files DONE.json lists (the
+``save_pretrained`` folder: config, safetensors, tokenizer) are copied from the store, each checked
+against the SHA-256 it lists, into a temporary folder with a ``README.md`` model card (base model, data, config, rounds,
 tokens, bytes moved, final eval loss) and ``loss.png`` (:func:`plot_losses`), then
 ``HfApi.create_repo`` (private by default, ``exist_ok``) and one ``HfApi.upload_folder`` commit.
 
@@ -20,6 +21,7 @@ run.json. ``huggingface_hub`` is the ``hf`` extra, imported only here, inside th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import tempfile
@@ -31,7 +33,9 @@ from diloco_serverless.config import HF_SOURCE_PREFIX, RunConfig
 from diloco_serverless.errors import LaunchError, one_line
 from diloco_serverless.launcher.plot import Metrics, as_number, plot_losses
 from diloco_serverless.launcher.status import SUCCEEDED, RunStatus
+from diloco_serverless.run.final import InvalidFinal, read_done
 from diloco_serverless.run.layout import FINAL_PREFIX
+from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore
 
 #: Written by the replica that saves the final model (trainer/checkpoint.py): the lock it took and the
@@ -68,17 +72,24 @@ def check_push_ready(repo_id: str) -> None:
         )
 
 
-def check_pushable(status: RunStatus, store: ObjectStore) -> None:
-    """LaunchError unless the run succeeded and its ``final/`` is complete."""
+def check_pushable(status: RunStatus, store: ObjectStore, run_key: bytes | None = None) -> dict[str, str]:
+    """LaunchError unless the run succeeded and its ``final/`` is complete: a ``final/DONE.json`` signed with
+    ``run_key`` (the launcher's copy of the run key; without it nothing can be verified and the file list is
+    taken as it is). Returns the files it lists (key -> SHA-256)."""
     if status.state != SUCCEEDED:
         why = "; ".join(f"rank {r}: {one_line(w)}" for r, w in status.failures)
         hint = ("wait for it to finish (diloco status --watch) and push then" if not status.done
                 else "only a run that succeeded has a final model to push")
         raise LaunchError(f"run {status.run_id} is {status.state}, not succeeded{f' ({why})' if why else ''}: "
                           f"refusing to push it; {hint}")
-    if not store.exists(FINAL_DONE):
+    try:
+        files = read_done(store, run_key)
+    except InvalidFinal as e:
+        raise LaunchError(f"run {status.run_id}: {e}; refusing to push it") from e
+    if files is None:
         raise LaunchError(f"run {status.run_id} has no complete final model ({store.url}/{FINAL_DONE} is missing): "
                           "refusing to push it")
+    return files
 
 
 def _safe_relative(key: str) -> PurePosixPath | None:
@@ -92,16 +103,26 @@ def _safe_relative(key: str) -> PurePosixPath | None:
     return rel
 
 
-def download_final(store: ObjectStore, dest: Path) -> list[str]:
-    """Copy the model files of ``final/`` into ``dest``; return their relative paths."""
+def download_final(store: ObjectStore, dest: Path, listed: Mapping[str, str] | None = None) -> list[str]:
+    """Copy the model files of ``final/`` into ``dest``; return their relative paths. With ``listed`` (the
+    signed ``final/DONE.json``: key -> SHA-256), exactly those files, each checked against its SHA-256
+    (LaunchError naming a file that is missing or differs); anything else under ``final/`` is left."""
     files: list[str] = []
-    for key in sorted(store.list(FINAL_PREFIX + "/")):
+    keys = sorted(listed) if listed is not None else sorted(store.list(FINAL_PREFIX + "/"))
+    for key in keys:
         rel = _safe_relative(key)
         if rel is None:
             continue
+        try:
+            data = store.get(key)
+        except ObjectNotFound:
+            raise LaunchError(f"{store.url}/{key}, listed in {FINAL_DONE}, is missing; refusing to push") from None
+        if listed is not None and hashlib.sha256(data).hexdigest() != listed[key]:
+            raise LaunchError(f"{store.url}/{key} is not the file {FINAL_DONE} lists (its SHA-256 differs): it was "
+                              "replaced after the run wrote it; refusing to push")
         target = dest.joinpath(*rel.parts)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(store.get(key))
+        target.write_bytes(data)
         files.append(str(rel))
     if not files:
         raise LaunchError(f"{store.url}/{FINAL_PREFIX}/ holds no model files to push")
@@ -215,7 +236,7 @@ def model_card(*, repo_id: str, cfg: RunConfig, status: RunStatus, tokens: int, 
 
 
 def push_final(store: ObjectStore, cfg: RunConfig, status: RunStatus, metrics: Metrics, repo_id: str, *,
-               private: bool = True, api: Any = None) -> str:
+               private: bool = True, api: Any = None, run_key: bytes | None = None) -> str:
     """Push the run's ``final/`` with a model card and loss plot to ``repo_id``; return the repo URL.
 
     ``store`` is the run's store (``<store>/<run_id>``); ``api`` an ``HfApi``-like object (default:
@@ -224,7 +245,7 @@ def push_final(store: ObjectStore, cfg: RunConfig, status: RunStatus, metrics: M
     """
     RunConfig.from_dict({**cfg.to_json_dict(), "hub": {"repo_id": repo_id, "private": private}},
                         source="the repository to push to")  # ConfigError when repo_id is not ORG/NAME
-    check_pushable(status, store)
+    listed = check_pushable(status, store, run_key)
     if api is None:
         token = hub_token()
         if token is None:
@@ -233,7 +254,7 @@ def push_final(store: ObjectStore, cfg: RunConfig, status: RunStatus, metrics: M
         api = _hf().HfApi(token=token)
     with tempfile.TemporaryDirectory(prefix="diloco-push-") as tmp:
         folder = Path(tmp)
-        download_final(store, folder)
+        download_final(store, folder, listed)
         has_plot = False
         try:
             plot_losses(metrics, folder / "loss.png", title=cfg.run_id)

@@ -100,6 +100,9 @@ class ReplicaReport:
     started_age_s: float | None = None
     #: Seconds its earlier launches were billed (see :func:`billed_seconds`).
     billed_before_s: float = 0.0
+    #: The state came from the replica's (unsigned) heartbeat alone, the executor not knowing the replica:
+    #: shown, never acted on (``Run.wait`` neither restarts, nor ends on, such a state; docs/security.md).
+    from_heartbeat: bool = False
 
     @property
     def bytes_moved(self) -> int:
@@ -145,6 +148,12 @@ class RunStatus:
     @property
     def done(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def settled(self) -> bool:
+        """:attr:`done`, from what may be acted on: no replica's terminal state comes from its heartbeat
+        alone (a heartbeat is unsigned: anyone who can write the bucket can say "failed" or "done")."""
+        return self.done and not any(r.from_heartbeat and r.state in TERMINAL for r in self.replicas)
 
     @property
     def notes(self) -> list[str]:
@@ -254,7 +263,20 @@ def build_replica(rank: int, executor: ExecutorState | None, heartbeat: Mapping[
             invalid.items(), key=lambda item: _FIELD_ORDER.get(item[0], -1))),
         attempts=None if starts is None else starts.attempts, started_age_s=started_age,
         billed_before_s=0.0 if starts is None else starts.billed_before_s,
+        from_heartbeat=_from_heartbeat(executor, heartbeat, starts, final, state),
     )
+
+
+def _from_heartbeat(executor: ExecutorState | None, heartbeat: Mapping[str, Any] | None,
+                    starts: RankStarts | None, final: bool, state: str) -> bool:
+    """Whether :func:`replica_state` took ``state`` from the heartbeat alone (the executor does not know
+    the replica, and no signed final model says the run finished)."""
+    if executor is not None and executor.state != UNKNOWN:
+        return False
+    if heartbeat is None or (starts is not None and starts.current_seen is False):
+        return False
+    return not (final and state == SUCCEEDED) and \
+        _HEARTBEAT_STATES.get(str(heartbeat.get("state", "")).lower()) == state
 
 
 _FIELD_ORDER = {name: i for i, name in enumerate(("rank", *HEARTBEAT_FIELDS))}

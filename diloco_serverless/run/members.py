@@ -18,6 +18,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from diloco_serverless.run.bounded import get_many_bounded
 from diloco_serverless.run.layout import (
     MEMBERS_PREFIX,
     METRICS_PREFIX,
@@ -222,7 +223,7 @@ def read_members(run_store: ObjectStore) -> dict[int, Heartbeat]:
     :attr:`Heartbeat.invalid`, so one bad heartbeat never stops ``diloco status``.
     """
     keys = [k for k in run_store.list(MEMBERS_PREFIX + "/") if _MEMBER_KEY.match(k)]
-    blobs = run_store.get_many(keys, missing_ok=True)
+    blobs = get_many_bounded(run_store, keys, "heartbeat")
     out: dict[int, Heartbeat] = {}
     for key, raw in blobs.items():
         match = _MEMBER_KEY.match(key)
@@ -265,7 +266,7 @@ def read_metrics(run_store: ObjectStore, rank: int | None = None) -> list[dict[s
     prefix = metrics_prefix(rank) + "/" if rank is not None else METRICS_PREFIX + "/"
     keys = [k for k in run_store.list(prefix) if k.endswith(".json")]
     out: list[dict[str, Any]] = []
-    for key, raw in run_store.get_many(keys, missing_ok=True).items():
+    for key, raw in get_many_bounded(run_store, keys, "metrics").items():
         try:
             rec = json.loads(raw.decode("utf-8"))
             if not isinstance(rec, dict):

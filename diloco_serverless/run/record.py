@@ -44,9 +44,10 @@ from typing import Any
 
 from diloco_serverless.config import RUN_ID_PATTERN, RunConfig, find_secret
 from diloco_serverless.errors import ConfigError, RunError
-from diloco_serverless.run.integrity import mac_json, verify_json
+from diloco_serverless.run.bounded import get_bounded, get_many_bounded
+from diloco_serverless.run.integrity import load_local_revision, mac_json, save_local_revision, verify_json
 from diloco_serverless.run.layout import RUN_JSON, RUN_VERSION
-from diloco_serverless.store.errors import ObjectNotFound
+from diloco_serverless.store.errors import ObjectNotFound, ObjectTooLarge
 from diloco_serverless.store.objectstore import ObjectStore, TransferPolicy
 from diloco_serverless.store.retry import RetryPolicy
 
@@ -187,8 +188,13 @@ def _shown(value: Any, limit: int = 60) -> str:
 RUN_JSON_KIND = "run.json"
 
 
-def _dumps(obj: dict[str, Any], key: bytes | None) -> bytes:
-    doc = mac_json(key, RUN_JSON_KIND, obj) if key is not None else obj
+#: The field of run.json that orders its versions: 1 at creation, +1 at every launch record (signed with the rest).
+REVISION = "revision"
+
+
+def _dumps(obj: dict[str, Any], key: bytes | None, revision: int = 1) -> bytes:
+    obj = {**obj, REVISION: revision}
+    doc = mac_json(key, RUN_JSON_KIND, obj, place=RUN_JSON) if key is not None else obj
     return json.dumps(doc, indent=1, sort_keys=False).encode("utf-8")
 
 
@@ -245,11 +251,13 @@ def create_run(
     config = config.model_copy(update={"store": root.url, "data": _absolute_data_source(config)})
     run_store = root.child(config.run_id)
     record = RunRecord(config.run_id, _utc_now_iso(), RUN_VERSION, config, None, run_store.url)
-    if not run_store.put_if_absent(RUN_JSON, _dumps(record.to_json_dict(), key)):
+    if not run_store.put_if_absent(RUN_JSON, _dumps(record.to_json_dict(), key, 1)):
         raise RunExists(
             f"run {run_store.url} already exists; choose another run id (--set run_id=...) "
             f"or attach to it with `diloco status {run_store.url}`"
         )
+    if key is not None:
+        save_local_revision(run_store.url, 1)
     return run_store, record
 
 
@@ -263,7 +271,10 @@ def _absolute_data_source(config: RunConfig) -> Any:
 
 def _read_record(run_store: ObjectStore, key: bytes | None) -> RunRecord:
     try:
-        raw = run_store.get(RUN_JSON)
+        raw = get_bounded(run_store, RUN_JSON, "run.json")
+    except ObjectTooLarge as exc:
+        raise InvalidRun(f"{run_store.url}/{RUN_JSON} is larger than a run record can be ({exc}); the run is "
+                         "corrupt") from None
     except ObjectNotFound:
         raise RunNotFound(
             f"no run at {run_store.url}: {RUN_JSON} does not exist; check the run URL "
@@ -273,13 +284,32 @@ def _read_record(run_store: ObjectStore, key: bytes | None) -> RunRecord:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRun(f"{run_store.url}/{RUN_JSON} is not valid JSON ({exc}); the run is corrupt") from None
-    if key is not None and not verify_json(key, RUN_JSON_KIND, data):
+    if key is not None and not verify_json(key, RUN_JSON_KIND, data, place=RUN_JSON):
         raise InvalidRun(
             f"{run_store.url}/{RUN_JSON} does not carry this run's signature: it was changed after launch by "
             "someone with write access to the bucket, or belongs to another launch; refusing it. Check who can "
             "write the prefix (docs/security.md) and launch a new run"
         )
+    if key is not None:
+        _check_revision(run_store.url, data)
     return RunRecord.from_json_dict(data, url=run_store.url)
+
+
+def _revision(data: Any) -> int:
+    value = data.get(REVISION, 0) if isinstance(data, dict) else 0
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _check_revision(url: str, data: Any) -> None:
+    """InvalidRun when this machine wrote a newer run.json than ``data`` (an older one, still validly
+    signed, was put back: its handles would be acted on by cancel, status and resume)."""
+    newest = load_local_revision(url)
+    if newest is not None and _revision(data) < newest:
+        raise InvalidRun(
+            f"{url}/{RUN_JSON} is revision {_revision(data)}, older than revision {newest} this machine wrote: "
+            "an earlier version was put back by someone with write access to the bucket; refusing to act on "
+            "its handles. Check who can write the prefix (docs/security.md)"
+        )
 
 
 def load_run(
@@ -332,6 +362,11 @@ def record_launch(
     in :func:`load_run`. Returns the new record.
     """
     run_store, record = load_run(run_url, storage_options, key=key, timeout_s=timeout_s)
+    try:
+        stored = _revision(json.loads(get_bounded(run_store, RUN_JSON, "run.json").decode("utf-8")))
+    except (ValueError, UnicodeDecodeError):
+        stored = 0
+    revision = max(stored, (load_local_revision(run_store.url) or 0) if key is not None else 0) + 1
     launch = {"executor": executor_kind, "handles": list(handles), "launched_at": _utc_now_iso(), **extra}
     _refuse_secret_values(launch, "launch")
     try:
@@ -339,7 +374,9 @@ def record_launch(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"launch record for {run_store.url} is not JSON-serialisable: {exc}") from None
     new = RunRecord(record.run_id, record.created_at, record.version, record.config, launch, run_store.url)
-    run_store.put(RUN_JSON, _dumps(new.to_json_dict(), key))
+    run_store.put(RUN_JSON, _dumps(new.to_json_dict(), key, revision))
+    if key is not None:
+        save_local_revision(run_store.url, revision)
     return new
 
 
@@ -363,7 +400,7 @@ def list_runs(store: ObjectStore | str, storage_options: dict[str, Any] | None =
         root = ObjectStore(store, storage_options, retry=policy)
     keys = [f"{folder}/{RUN_JSON}" for folder in root.list_dirs("")]
     out: list[RunRecord] = []
-    for key, raw in sorted(root.get_many(keys, missing_ok=True).items()):
+    for key, raw in sorted(get_many_bounded(root, keys, "run.json").items()):
         folder = key.split("/", 1)[0]
         url = join_run_url(root.url, folder)
         try:

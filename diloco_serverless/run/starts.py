@@ -26,6 +26,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from diloco_serverless.run.bounded import get_many_bounded
 from diloco_serverless.run.integrity import mac_json, verify_json
 from diloco_serverless.run.layout import STARTS_PREFIX, start_key
 from diloco_serverless.store.objectstore import ObjectStore
@@ -58,10 +59,10 @@ def write_start(run_store: ObjectStore, rank: int, attempt: int, *, launch_id: s
         raise ValueError(f"launch id {launch_id!r} must be 1-64 letters, digits, '_' or '-'")
     record = StartRecord(rank, time.time() if now is None else now, attempt, launch_id)
     doc: dict[str, Any] = {"rank": rank, "attempt": attempt, "time": record.time, "launch_id": launch_id}
+    where = start_key(rank, int(record.time * 1000), secrets.token_hex(4))
     if key is not None:
-        doc = mac_json(key, START_KIND, doc)
-    run_store.put_if_absent(start_key(rank, int(record.time * 1000), secrets.token_hex(4)),
-                            json.dumps(doc).encode("utf-8"))
+        doc = mac_json(key, START_KIND, doc, place=where)
+    run_store.put_if_absent(where, json.dumps(doc).encode("utf-8"))
     return record
 
 
@@ -71,12 +72,14 @@ def read_starts(run_store: ObjectStore, *, key: bytes | None = None,
     (records never change, so a caller polling status keeps one ``cache`` and reads each once).
 
     With ``key`` a record without this run's HMAC is skipped; so is one that is not a JSON object with
-    a numeric time and a count attempt (a warning names its key). The rank is the one its key names.
+    a numeric time and a count attempt, and one whose signed rank differs from the rank its key names
+    (a warning names its key). The signature binds the record's key, so a record copied to another
+    rank's or start's key is skipped too.
     """
     seen: MutableMapping[str, StartRecord | None] = {} if cache is None else cache
     keys = [k for k in run_store.list(STARTS_PREFIX + "/") if _START_KEY.match(k)]
     new = [k for k in keys if k not in seen]
-    for name, raw in run_store.get_many(new, missing_ok=True).items():
+    for name, raw in get_many_bounded(run_store, new, "start").items():
         seen[name] = _parse(run_store.url, name, raw, key)
     out: dict[int, list[StartRecord]] = {}
     for name in keys:
@@ -96,12 +99,16 @@ def _parse(url: str, name: str, raw: bytes, key: bytes | None) -> StartRecord | 
     if not isinstance(doc, dict):
         warnings.warn(f"skipping start record {url}/{name}: not a JSON object", stacklevel=3)
         return None
-    if key is not None and not verify_json(key, START_KIND, doc):
+    if key is not None and not verify_json(key, START_KIND, doc, place=name):
         warnings.warn(f"skipping start record {url}/{name}: it does not carry this run's signature", stacklevel=3)
         return None
     stamp, attempt, launch_id = doc.get("time"), doc.get("attempt", 0), doc.get("launch_id")
     if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not math.isfinite(stamp):
         warnings.warn(f"skipping start record {url}/{name}: 'time' is not a timestamp", stacklevel=3)
+        return None
+    rank = doc.get("rank", int(match.group(1)))
+    if rank != int(match.group(1)) or isinstance(rank, bool):
+        warnings.warn(f"skipping start record {url}/{name}: it says rank {rank!r}, its key another", stacklevel=3)
         return None
     if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
         attempt = 0

@@ -46,6 +46,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -329,7 +330,11 @@ class ObjectStore:
 
     def _path(self, key: str) -> str:
         if self.protocol == "file":
-            return os.path.join(self._root, *key.split("/")) if key else self._root
+            if not key:
+                return self._root
+            path = os.path.join(self._root, *key.split("/"))
+            _refuse_links(self._root, key, self.url)
+            return path
         return f"{self._root.rstrip('/')}/{key}" if key else self._root
 
     def _rel(self, path: str) -> str:
@@ -729,13 +734,36 @@ class ObjectStore:
         self._run("delete", key, attempt)
 
 
+def _refuse_links(root: str, key: str, url: str) -> None:
+    """Refuse (:class:`StoreAccessDenied` naming it) a key of a ``file://`` store whose file, or any folder
+    between the store's root and it, is a symbolic link: a file store opens files as files, so a link
+    planted in a run folder (``final/x -> ~/.cache/huggingface/token``) is never read, written or
+    appended to through."""
+    current = root
+    for part in key.split("/"):
+        current = os.path.join(current, part)
+        try:
+            is_link = stat.S_ISLNK(os.lstat(current).st_mode)
+        except OSError:
+            return  # missing (or unreadable): nothing further down exists to follow
+        if is_link:
+            raise StoreAccessDenied(
+                f"{url}/{key}: {current} is a symbolic link; a file store never follows links under its folder "
+                "(one planted there could point at your credentials). Remove the link",
+                url=url, key=key, op="open")
+
+
 def _local_find(path: str) -> list[str]:
-    """Files under ``path`` (or ``[path]`` if it is a file), temp files excluded."""
+    """Files under ``path`` (or ``[path]`` if it is a file), temp files and symbolic links excluded (links
+    to folders are not descended into)."""
+    if os.path.islink(path):
+        return []
     if os.path.isfile(path):
         return [path]
     out: list[str] = []
     for folder, _dirs, files in os.walk(path):
-        out.extend(os.path.join(folder, f) for f in files if not store_local.is_temp_name(f))
+        out.extend(os.path.join(folder, f) for f in files
+                   if not store_local.is_temp_name(f) and not os.path.islink(os.path.join(folder, f)))
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,13 +31,15 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from diloco_serverless.errors import CheckpointError
+from diloco_serverless.run.final import FINAL_DONE, InvalidFinal, done_bytes, read_done
 from diloco_serverless.run.integrity import mac_bytes, mac_json, verify_json
 from diloco_serverless.run.layout import (
+    FINAL_PREFIX,
     LATEST_CHECKPOINT_KEY,
     checkpoint_prefix,
     fmt_round,
 )
-from diloco_serverless.store.errors import ObjectNotFound
+from diloco_serverless.store.errors import ObjectNotFound, ObjectTooLarge
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer.diloco import CheckpointMismatch
 from diloco_serverless.trainer.model import upload_pretrained
@@ -59,6 +62,9 @@ __all__ = [
 ]
 
 FORMAT = 1
+#: Largest checkpoint manifest read while looking for the latest complete checkpoint (its tensor list).
+MAX_MANIFEST_BYTES = 8 << 20
+logger = logging.getLogger(__name__)
 
 
 class CheckpointCorrupt(CheckpointError):
@@ -100,14 +106,15 @@ def _manifest(round_: int, step: int, tensors: dict[str, torch.Tensor], plan: li
     }
 
 
-def _signed(run_key: bytes | None, kind: str, doc: dict[str, Any]) -> bytes:
-    return json.dumps(mac_json(run_key, kind, doc) if run_key is not None else doc).encode()
+def _signed(run_key: bytes | None, kind: str, doc: dict[str, Any], key: str) -> bytes:
+    """``doc`` as JSON, with the run's HMAC bound to ``kind`` and ``key`` (where it is written)."""
+    return json.dumps(mac_json(run_key, kind, doc, place=key) if run_key is not None else doc).encode()
 
 
 def _verified_json(store: ObjectStore, key: str, kind: str, run_key: bytes | None) -> Any:
     """The JSON object at ``key``; with a run key, CheckpointCorrupt unless it carries the run's HMAC."""
     doc = store.get_json(key)
-    if run_key is not None and not verify_json(run_key, kind, doc):
+    if run_key is not None and not verify_json(run_key, kind, doc, place=key):
         raise CheckpointCorrupt(
             f"{store.url}/{key} does not carry this run's signature (forged, or from another launch); refusing "
             f"it. Check who can write the bucket prefix (docs/security.md), then delete "
@@ -125,7 +132,8 @@ def _write_shard(store: ObjectStore, round_: int, j: int, keys: list[str], tenso
     stored = store.get(_shard_key(round_, j, "safetensors"))  # the first writer's bytes
     marker = {"sha256": hashlib.sha256(stored).hexdigest(), "keys": keys, "bytes": len(stored),
               "round": round_, "shard": j}
-    store.put_if_absent(_shard_key(round_, j, "json"), _signed(run_key, "checkpoint-shard", marker))
+    store.put_if_absent(_shard_key(round_, j, "json"), _signed(run_key, "checkpoint-shard", marker,
+                                                               _shard_key(round_, j, "json")))
 
 
 def save_checkpoint(store: ObjectStore, round_: int, step: int, tensors: dict[str, torch.Tensor],
@@ -141,10 +149,12 @@ def save_checkpoint(store: ObjectStore, round_: int, step: int, tensors: dict[st
     plan = plan_shards(tensors, world_size)
     prefix = checkpoint_prefix(round_)
     manifest = _manifest(round_, step, tensors, plan, meta)
-    store.put_if_absent(f"{prefix}/manifest.json", _signed(run_key, "checkpoint-manifest", manifest))
+    store.put_if_absent(f"{prefix}/manifest.json",
+                        _signed(run_key, "checkpoint-manifest", manifest, f"{prefix}/manifest.json"))
     if data_state is not None:
         state = {"round": round_, "rank": rank, "state": data_state}
-        store.put(f"{prefix}/data/rank-{rank}.json", _signed(run_key, "data-state", state))
+        data_key = f"{prefix}/data/rank-{rank}.json"
+        store.put(data_key, _signed(run_key, "data-state", state, data_key))
     _write_shard(store, round_, rank % world_size, plan[rank % world_size], tensors, run_key)
     deadline = time.monotonic() + takeover_s
     while True:
@@ -175,8 +185,11 @@ def _advance_latest(store: ObjectStore, round_: int, step: int) -> None:
     store.put_json(LATEST_CHECKPOINT_KEY, {"round": round_, "step": step, "time": time.time()})
 
 
-def complete_rounds(store: ObjectStore) -> list[int]:
-    """Rounds whose manifest and every shard marker exist, ascending."""
+def complete_rounds(store: ObjectStore, run_key: bytes | None = None) -> list[int]:
+    """Rounds whose manifest and every shard marker exist, ascending. With ``run_key`` a manifest counts
+    only when it carries the run's signature for its own place and names its own round: a planted or
+    copied manifest (a huge round, say) never becomes the "latest complete" checkpoint (it is skipped,
+    with a warning naming it)."""
     by_round: dict[int, set[str]] = {}
     for key in store.list("checkpoints/"):
         parts = key.split("/")
@@ -186,18 +199,25 @@ def complete_rounds(store: ObjectStore) -> list[int]:
     for r, names in sorted(by_round.items()):
         if "manifest.json" not in names:
             continue
+        key = f"{checkpoint_prefix(r)}/manifest.json"
         try:
-            n = int(store.get_json(f"{checkpoint_prefix(r)}/manifest.json")["num_shards"])
-        except (ObjectNotFound, KeyError, ValueError, TypeError):
+            manifest = json.loads(store.get(key, max_bytes=MAX_MANIFEST_BYTES))
+            if run_key is not None and not verify_json(run_key, "checkpoint-manifest", manifest, place=key):
+                logger.warning("skipping %s/%s: it does not carry this run's signature for its place", store.url, key)
+                continue
+            if run_key is not None and manifest.get("round") != r:
+                continue
+            n = int(manifest["num_shards"])
+        except (ObjectNotFound, ObjectTooLarge, KeyError, ValueError, TypeError, AttributeError, RecursionError):
             continue
         if all(f"shard-{j:04d}.json" in names for j in range(n)):
             done.append(r)
     return done
 
 
-def find_latest_checkpoint(store: ObjectStore) -> int | None:
-    """The newest complete checkpoint's round, or None when the run has none."""
-    rounds = complete_rounds(store)
+def find_latest_checkpoint(store: ObjectStore, run_key: bytes | None = None) -> int | None:
+    """The newest complete checkpoint's round (signed, with ``run_key``: :func:`complete_rounds`), or None."""
+    rounds = complete_rounds(store, run_key)
     return rounds[-1] if rounds else None
 
 
@@ -218,7 +238,8 @@ def load_checkpoint(store: ObjectStore, round_: int,
         marker = json.loads(blobs[_shard_key(round_, j, "json")])
         blob = blobs[_shard_key(round_, j, "safetensors")]
         where = f"{store.url}/{_shard_key(round_, j, 'safetensors')}"
-        signed = run_key is None or verify_json(run_key, "checkpoint-shard", marker)
+        marker_key = _shard_key(round_, j, "json")
+        signed = run_key is None or verify_json(run_key, "checkpoint-shard", marker, place=marker_key)
         if not signed or (run_key is not None and (marker.get("round"), marker.get("shard")) != (round_, j)):
             raise CheckpointCorrupt(f"{store.url}/{_shard_key(round_, j, 'json')}: not signed with this run's key "
                                     f"for round {round_} shard {j}; refusing it, delete {prefix} to fall back")
@@ -260,12 +281,25 @@ def prune_checkpoints(store: ObjectStore, keep_from_round: int) -> None:
 
 # ------------------------------------------------------------------------------ the final model
 FINAL_LOCK = "final/LOCK.json"
-FINAL_DONE = "final/DONE.json"
 
 
-def final_exists(store: ObjectStore) -> bool:
-    """True when ``<run>/final/`` is complete (its DONE marker exists)."""
-    return store.exists(FINAL_DONE)
+def final_exists(store: ObjectStore, run_key: bytes | None = None) -> bool:
+    """True when ``<run>/final/`` is complete: its ``DONE.json`` exists, is signed with the run key for
+    its place (with ``run_key``) and every file it lists exists. A planted or edited one counts as
+    absent (a warning names it), so nothing skips training or the final model on its word."""
+    try:
+        files = read_done(store, run_key)
+    except InvalidFinal as e:
+        logger.warning("%s", e)
+        return False
+    if files is None:
+        return False
+    present = set(store.list(FINAL_PREFIX + "/"))
+    missing = sorted(set(files) - present)
+    if missing:
+        logger.warning("%s/%s lists files that are gone (%s); the final model is not complete",
+                       store.url, FINAL_DONE, ", ".join(missing[:3]))
+    return not missing
 
 
 #: One value per replica process: tells this process's final lock from one an earlier (dead)
@@ -286,19 +320,20 @@ def _takes_over(held: Any, rank: int, stale_lock_s: float) -> bool:
 
 def write_final(
     store: ObjectStore, model: Any, tokenizer: Any, *, rank: int, attempt: int = 0, stale_lock_s: float = 600.0,
-    poll_s: float = 1.0, state_dict: dict[str, Any] | None = None,
+    poll_s: float = 1.0, state_dict: dict[str, Any] | None = None, run_key: bytes | None = None,
 ) -> bool:
     """Write the final model (``save_pretrained``, safetensors) + tokenizer under ``final/``, once per run.
     ``state_dict``: the whole model's tensors when ``model`` holds only shards of them (FSDP).
 
     The writer is whoever creates ``final/LOCK.json`` first (create-only); it uploads the files, then
-    ``final/DONE.json``. Every other replica waits for DONE, so the run never reports success with
+    ``final/DONE.json`` (each file's SHA-256, signed with ``run_key``: :mod:`diloco_serverless.run.final`;
+    an invalid DONE is never taken as done). Every other replica waits for DONE, so the run never reports success with
     ``final/`` incomplete. A lock is taken over when its writer died: at once by the restarted
     process of the same rank, by anyone once the lock is ``stale_lock_s`` old. Returns True if this
     call wrote the model. Store errors propagate.
     """
     lock = {"rank": rank, "attempt": attempt, "nonce": _PROCESS_NONCE, "time": time.time()}
-    while not final_exists(store):
+    while not final_exists(store, run_key):
         if store.put_if_absent(FINAL_LOCK, json.dumps(lock).encode()):
             break
         try:
@@ -314,8 +349,11 @@ def write_final(
         time.sleep(poll_s)
     else:
         return False
-    files = upload_pretrained(model, tokenizer, store, "final", state_dict=state_dict)
-    store.put_if_absent(FINAL_DONE, json.dumps({**lock, "files": files, "done": time.time()}).encode())
+    digests: dict[str, str] = {}
+    upload_pretrained(model, tokenizer, store, "final", state_dict=state_dict, digests=digests)
+    done = done_bytes(run_key, digests, **lock, done=time.time())
+    if not store.put_if_absent(FINAL_DONE, done) and not final_exists(store, run_key):
+        store.put(FINAL_DONE, done)  # a planted DONE.json was there: we hold the lock, ours replaces it
     return True
 
 
@@ -337,15 +375,16 @@ def safe_open_metadata(blob: bytes) -> dict[str, str] | None:
 
 
 def _tensors_mac(run_key: bytes, tensors: dict[str, torch.Tensor], kind: str = "initial-parameters",
-                 extra: bytes = b"") -> str:
-    """The run's HMAC over every tensor (name, dtype, shape, bytes) and ``extra``, bound to ``kind``."""
+                 extra: bytes = b"", *, place: str = "checkpoints/initial.safetensors") -> str:
+    """The run's HMAC over every tensor (name, dtype, shape, bytes) and ``extra``, bound to ``kind`` and
+    ``place`` (the key of the object)."""
     digest = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         digest.update(f"{name}\x00{t.dtype}\x00{list(t.shape)}\x00".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     digest.update(b"\x00" + extra)
-    return mac_bytes(run_key, kind, digest.digest())
+    return mac_bytes(run_key, kind, digest.digest(), place=place)
 
 
 # ------------------------------------------------------------------------------ per-replica state
@@ -363,7 +402,8 @@ def save_replica_state(store: ObjectStore, round_: int, rank: int, tensors: dict
     text = json.dumps({"round": round_, "rank": rank, **doc}, sort_keys=True, allow_nan=False)
     metadata = {"format": str(FORMAT), "doc": text}
     if run_key is not None:
-        metadata["mac"] = _tensors_mac(run_key, tensors, "replica-state", text.encode())
+        metadata["mac"] = _tensors_mac(run_key, tensors, "replica-state", text.encode(),
+                                       place=_replica_key(round_, rank))
     store.put(_replica_key(round_, rank), st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
 
 
@@ -388,7 +428,7 @@ def load_replica_state(store: ObjectStore, round_: int, rank: int,
         raise CheckpointCorrupt(f"{where} is not a replica state ({exc}); delete it to resume without it") from exc
     if run_key is not None:
         tag = meta.get("mac")
-        want = _tensors_mac(run_key, tensors, "replica-state", str(meta["doc"]).encode())
+        want = _tensors_mac(run_key, tensors, "replica-state", str(meta["doc"]).encode(), place=key)
         if not isinstance(tag, str) or not hmac.compare_digest(tag, want):
             raise CheckpointCorrupt(f"{where} does not carry this run's signature; refusing it (docs/security.md)")
     if not isinstance(doc, dict) or doc.get("round") != round_ or doc.get("rank") != rank:

@@ -402,7 +402,7 @@ class ReplicaTrainer:
         rounds since the start are all stored, re-train from the start), then replay stored rounds; returns
         rounds gained."""
         before = self.manager.current_step()
-        latest = ckpt.find_latest_checkpoint(self.store)
+        latest = ckpt.find_latest_checkpoint(self.store, self.run_key)
         if self.local is not None:  # checkpoints complete while we look: the replica heals from one
             latest = self.local.leader_int(-1 if latest is None else latest)
             latest = None if latest < 0 else latest
@@ -524,7 +524,7 @@ class ReplicaTrainer:
 
     def check_checkpoint_compatible(self) -> None:
         """Raise CheckpointMismatch before training if the run's newest checkpoint does not fit the model."""
-        latest = ckpt.find_latest_checkpoint(self.store)
+        latest = ckpt.find_latest_checkpoint(self.store, self.run_key)
         if latest is not None:
             tensors, info = ckpt.load_checkpoint(self.store, latest, self.run_key)
             self.rep.check_compatible(tensors, info.meta, source=f"{self.store.url}/checkpoints/{latest:08d}")
@@ -535,7 +535,7 @@ class ReplicaTrainer:
         self._heartbeat(HEARTBEAT_HEALING)
         try:
             self.heal()  # raises CheckpointMismatch before any training if the checkpoint does not fit
-            done = final_exists(self.store)
+            done = final_exists(self.store, self.run_key)
             if self.local is not None:
                 done = bool(self.local.leader_int(int(done)))
             if done:
@@ -894,7 +894,7 @@ class ReplicaTrainer:
                 self.manager.prune(min(round_ + 1, self.manager.current_step() - keep))
             if not self.leader:
                 return
-            older = [r for r in ckpt.complete_rounds(self.store) if r < round_]
+            older = [r for r in ckpt.complete_rounds(self.store, self.run_key) if r < round_]
             if older:
                 ckpt.prune_checkpoints(self.store, older[-1])
         except StoreError as exc:
@@ -908,7 +908,8 @@ class ReplicaTrainer:
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
         whole = full_state_dict(self.model, self.local) if self.fsdp else None  # type: ignore[arg-type]
         written = self.leader and write_final(
-            self.store, self.model, self.tokenizer, rank=self.rank, attempt=self.attempt, state_dict=whole
+            self.store, self.model, self.tokenizer, rank=self.rank, attempt=self.attempt, state_dict=whole,
+            run_key=self.run_key,
         )
         self._heartbeat(HEARTBEAT_DONE)
         self.manager.shutdown()

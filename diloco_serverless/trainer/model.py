@@ -29,6 +29,7 @@ checkpointing that the model does not support.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -263,11 +264,12 @@ def for_inference(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
 
 def upload_pretrained(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, store: Any, prefix: str = "final",
-    *, state_dict: dict[str, torch.Tensor] | None = None,
+    *, state_dict: dict[str, torch.Tensor] | None = None, digests: dict[str, str] | None = None,
 ) -> list[str]:
     """``save_pretrained`` (safetensors) model + tokenizer to a temp dir, then put every file under
     ``<store>/<prefix>/``. ``store`` is an ObjectStore; returns the keys written. ``state_dict``: the
-    tensors to save instead of the model's own (the gathered whole model of a sharded one)."""
+    tensors to save instead of the model's own (the gathered whole model of a sharded one). ``digests``,
+    when given, receives each written key's SHA-256 (hex), for the signed ``final/DONE.json``."""
     written: list[str] = []
     with tempfile.TemporaryDirectory(prefix="diloco-final-") as tmp:
         with for_inference(model):
@@ -278,8 +280,11 @@ def upload_pretrained(
         for path in sorted(Path(tmp).rglob("*")):
             if path.is_file():
                 key = f"{prefix.rstrip('/')}/{path.relative_to(tmp).as_posix()}"
-                store.put(key, path.read_bytes())
+                data = path.read_bytes()
+                store.put(key, data)
                 written.append(key)
+                if digests is not None:
+                    digests[key] = hashlib.sha256(data).hexdigest()
     return written
 
 

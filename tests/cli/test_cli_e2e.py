@@ -23,6 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from diloco_serverless.cli.app import app
+from diloco_serverless.executors.local import replica_paths
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ def _kill_replica_after_round(run: Path, rank: int, round_: int, timeout_s: floa
         return bool(hb and round_ <= hb["round"] <= round_ + 1 and hb["state"] not in ("done", "failed"))
 
     _wait_for(trained, timeout_s, f"rank {rank} to finish round {round_}")
-    state = _wait_for(lambda: (s := _json(run / "logs" / f"rank-{rank}.state.json")) and s.get("child_pid") and s,
+    state = _wait_for(lambda: (s := _json(replica_paths(run / "logs", rank)[1])) and s.get("child_pid") and s,
                       10, f"rank {rank}'s replica pid")
     os.kill(int(state["child_pid"]), signal.SIGKILL)
     return int(state["child_pid"])
@@ -147,7 +148,7 @@ def test_replica_death_without_retries_fails_launch_naming_rank(tmp_path: Path) 
     assert "run dies failed: rank 1:" in err
     assert len(err.strip().splitlines()) == 1
     assert "rank 1 failed" in out
-    states = [_json(run / "logs" / f"rank-{r}.state.json") for r in (0, 1)]
+    states = [_json(replica_paths(run / "logs", r)[1]) for r in (0, 1)]
     assert states[1]["status"] == "failed"
     assert states[0]["status"] in ("cancelled", "failed")  # the survivor is stopped, not left billing
 
@@ -210,5 +211,5 @@ def test_ctrl_c_during_attached_launch_cancels_the_run(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 130, out + err
     assert "interrupted: cancelled run" in err and "--detach" in err
-    states = [_json(run / "logs" / f"rank-{r}.state.json") for r in (0, 1)]
+    states = [_json(replica_paths(run / "logs", r)[1]) for r in (0, 1)]
     assert all(s and s["status"] == "cancelled" for s in states), states

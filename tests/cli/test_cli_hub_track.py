@@ -11,9 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from diloco_serverless.cli.app import app
+from diloco_serverless.config import RUN_KEY_ENV
 from diloco_serverless.launcher import api, preflight
 from diloco_serverless.run.record import load_run
-from support.fake_executor import FakeExecutor
+from support.fake_executor import FakeExecutor, write_final
 
 huggingface_hub = pytest.importorskip("huggingface_hub")  # the `hf` extra
 hf_constants = pytest.importorskip("huggingface_hub.constants")
@@ -30,7 +31,8 @@ class DoneExecutor(FakeExecutor):
         handles = super().launch_replicas(n_replicas, entrypoint, entrypoint_args, env)
         if self.finish and not self.fail_ranks:
             store, _ = load_run((env or {})["DILOCO_RUN_URL"])
-            store.put("final/DONE.json", b'{"rank": 0}')
+            write_final(store, {"final/model.safetensors": b"not really a model", "final/config.json": b"{}"},
+                        (env or {}).get(RUN_KEY_ENV))
         return handles
 
 

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from diloco_serverless.config import RunConfig
+from diloco_serverless.executors.local import replica_paths
 from diloco_serverless.launcher.api import Run, launch
 from diloco_serverless.store.objectstore import ObjectStore
 from support import REPO_ROOT
@@ -234,7 +235,7 @@ def _kill_mid_run(run_dir: Path, rank: int) -> int:
         return any((run_dir / "checkpoints").glob(f"*/replica/rank-{rank}.safetensors"))
 
     _wait_for(mid_run, 180, f"rank {rank} to work on a round after its first checkpoint")
-    state = _wait_for(lambda: (s := _json(run_dir / "logs" / f"rank-{rank}.state.json")) and s.get("child_pid") and s,
+    state = _wait_for(lambda: (s := _json(replica_paths(run_dir / "logs", rank)[1])) and s.get("child_pid") and s,
                       10, f"rank {rank}'s replica pid")
     os.kill(int(state["child_pid"]), signal.SIGKILL)
     return int(state["child_pid"])
@@ -281,7 +282,7 @@ def test_killed_replica_resumes_its_data_stream_exactly(tiny_model: Path, offlin
 
     # the replica was killed mid-run, restarted by its supervisor, loaded a checkpoint with its own state
     # (data position, optimizer, RNG) and re-trained every round after it itself
-    supervisor = _json(kill_dir / "logs" / "rank-1.state.json") or {}
+    supervisor = _json(replica_paths(kill_dir / "logs", 1)[1]) or {}
     assert supervisor.get("attempt") == 1 and supervisor.get("status") == "succeeded", supervisor
     assert [r["exit_code"] for r in supervisor["restarts"]] == [-signal.SIGKILL]
     log = (kill_dir / "logs" / "rank-1.log").read_text(errors="replace")

@@ -225,7 +225,7 @@ def test_foreign_reduced_object_is_refused_on_every_replica(url: str) -> None:
 
 def _forged_reduced(codec: str, numel: int, tensors: dict[str, torch.Tensor], shard: int = 1) -> bytes:
     """A reduced shard for run "t", round 0 that passes its checksum (which is no secret)."""
-    header = ShardHeader("t", 0, shard, "reduced", codec, numel, None, "torch.float32", [2 * numel])
+    header = ShardHeader("t", 0, shard, "reduced", codec, numel, None, "torch.float32", [2 * numel], [0, 1])
     return pack(tensors, asdict(header))
 
 

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from diloco_serverless.exchange._io import CountingStore, RoundLayout
+from diloco_serverless.exchange._io import CONTROL_MAX_BYTES, QUORUM_MAX_BYTES, CountingStore, RoundLayout
 from diloco_serverless.exchange.codec import max_object_bytes
 from diloco_serverless.exchange.errors import CorruptObjectError
 from diloco_serverless.run.layout import (
@@ -34,7 +34,8 @@ def io() -> CountingStore:
 
 def test_no_limit_until_the_round_layout_is_known(io: CountingStore) -> None:
     assert io.max_bytes(contrib_key(3, 0, 1)) is None
-    assert io.max_bytes(ready_key(3, 0)) is None and io.max_bytes(quorum_key(3)) is None
+    # control objects have their own fixed bounds (docs/security.md, bounded reads)
+    assert io.max_bytes(ready_key(3, 0)) == CONTROL_MAX_BYTES and io.max_bytes(quorum_key(3)) == QUORUM_MAX_BYTES
 
 
 def test_own_ready_marker_bounds_contributions_and_reduced_shards(io: CountingStore) -> None:
@@ -43,7 +44,7 @@ def test_own_ready_marker_bounds_contributions_and_reduced_shards(io: CountingSt
     assert io.max_bytes(reduced_key(3, 1)) == max_object_bytes("int8", 500)
     assert io.max_bytes(reduced_key(3, 7)) == max_object_bytes("int8", 0)  # no such shard: only a header fits
     assert io.max_bytes(reduced_key(4, 0)) is None  # another round
-    assert io.max_bytes(ready_key(3, 1)) is None  # markers and the quorum are not shard objects
+    assert io.max_bytes(ready_key(3, 1)) == CONTROL_MAX_BYTES  # markers are bounded as control objects
 
 
 def test_quorum_bounds_a_late_replica_but_never_overrides_its_own_marker(io: CountingStore) -> None:

@@ -309,14 +309,14 @@ def test_contributions_go_up_as_they_are_encoded(monkeypatch: pytest.MonkeyPatch
     running: list[int] = []
     real_pack = allreduce.pack
 
-    def slow_pack(tensors: Any, header: Any, run_key: bytes | None = None) -> bytes:
+    def slow_pack(tensors: Any, header: Any, run_key: bytes | None = None, *, place: str | None = None) -> bytes:
         ours = header.get("kind") == "contrib" and header.get("rank") == 0
         if ours:
             running.append(1)
             log.append(("encode", len(running), time.monotonic()))
             time.sleep(0.3)
         try:
-            return real_pack(tensors, header, run_key)
+            return real_pack(tensors, header, run_key, place=place)
         finally:
             if ours:
                 running.pop()

@@ -62,12 +62,13 @@ def _wait(poll_s: float, run_key: bytes | None = KEY, n: int = N) -> QuorumWait:
 
 def _quorum_bytes(ranks: list[int], run_key: bytes | None = KEY, created_by: int = 0) -> bytes:
     markers = {r: _marker(r) for r in ranks}
-    return signed_json(run_key, "quorum", Quorum("t", 0, ranks, markers, created_by).to_json())
+    return signed_json(run_key, "quorum", Quorum("t", 0, ranks, markers, created_by).to_json(), quorum_key(0))
 
 
 def _ready_all(store: RecordingStore) -> None:
     for r in range(N):
-        store.put(ready_key(0, r, marker_tag(_marker(r), KEY)), signed_json(KEY, "ready", _marker(r).__dict__))
+        key = ready_key(0, r, marker_tag(_marker(r), KEY))
+        store.put(key, signed_json(KEY, "ready", _marker(r).__dict__, key))
 
 
 def _later(delay_s: float, fn: Any) -> threading.Thread:

@@ -136,7 +136,9 @@ def test_a_round_spends_no_round_trip_on_reading_back_or_missing(emu: StoreEmula
         writer = f"rank-{created['created_by']}"
         mine = [r for r in log if r.client == writer]
         create_at = next(i for i, r in enumerate(mine) if r.method == "PUT" and r.key.endswith(qkey) and r.status < 300)
-        assert not [r for r in mine[create_at:] if r.method == "GET" and r.key.endswith(qkey)]
+        # the writer reads it back once, at the end: the check that it was not deleted or replaced while the
+        # round closed (docs/security.md, "Deletions never change a result"), never to learn what it wrote
+        assert len([r for r in mine[create_at:] if r.method == "GET" and r.key.endswith(qkey)]) == 1
         for rank in range(3):
             own = [r for r in log if r.client == f"rank-{rank}" and f"/{rnd:08d}/" in r.key]
             first_put = next(i for i, r in enumerate(own) if r.method == "PUT")

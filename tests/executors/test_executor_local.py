@@ -23,7 +23,7 @@ from diloco_serverless.executors.base import (
     ReplicaFailedError,
     handle_from_json,
 )
-from diloco_serverless.executors.local import LocalProcessExecutor, default_log_dir
+from diloco_serverless.executors.local import LocalProcessExecutor, default_log_dir, replica_paths
 from diloco_serverless.executors.registry import executor_for_handle, get_executor
 from support import FAKE_REPLICA, pythonpath_env
 
@@ -232,7 +232,8 @@ def test_cancel_never_signals_a_process_the_handle_cannot_identify(tmp_path: Pat
         _wait_for(lambda: Path(f"/proc/{sleep.pid}/cmdline").read_bytes() == b"sleep\x00600\x00", 10)
         logs = tmp_path / "store" / "run-x" / "logs"
         logs.mkdir(parents=True)
-        paths = {"log_path": str(logs / "rank-0.log"), "state_path": str(logs / "rank-0.state.json")}
+        log_path, state_path = replica_paths(logs, 0)
+        paths = {"log_path": str(log_path), "state_path": str(state_path)}
         start = None if case == "start None" else proc_start_time(sleep.pid)
         cmdline = ["sleep", "600"] if case == "start ok, its own cmdline" else ["python", "-m", "x"]
         record = _forged(sleep.pid, start=start, cmdline=cmdline, **paths)
@@ -240,7 +241,7 @@ def test_cancel_never_signals_a_process_the_handle_cannot_identify(tmp_path: Pat
         error = _raised(lambda: other.cancel([handle_from_json(record)]))
         time.sleep(0.7)  # past the grace period: a SIGKILL would have landed
         assert sleep.poll() is None, "an unrelated process was signalled"
-        assert not (logs / "rank-0.cancel").exists() and not (logs / "rank-0.state.json").exists()
+        assert not state_path.with_name("rank-0.cancel").exists() and not state_path.exists()
         assert isinstance(error, ExecutorError), error
         assert re.search(rf"pid {sleep.pid}\b.*refusing to signal it", str(error)) and "\n" not in str(error), error
     finally:
@@ -400,3 +401,17 @@ def test_a_supervisor_caught_exiting_is_gone_not_foreign(tmp_path: Path, env: di
     finally:
         monkeypatch.undo()
         ex.cancel(handles)
+
+
+def test_finding_6_the_supervisor_state_lives_outside_the_store(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file store's run folder is writable by every replica credential: the state the executor reports
+    from must not be there (a planted ``"status": "succeeded"`` was believed)."""
+    import stat
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "private"))
+    logs = tmp_path / "store" / "run-x" / "logs"
+    log_path, state_path = replica_paths(logs, 0)
+    assert log_path.parent == logs
+    assert tmp_path / "store" not in state_path.parents and tmp_path / "private" in state_path.parents
+    assert stat.S_IMODE(state_path.parent.stat().st_mode) == 0o700

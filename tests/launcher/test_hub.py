@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from diloco_serverless.config import RunConfig
+from diloco_serverless.config import RUN_KEY_ENV, RunConfig
 from diloco_serverless.errors import ConfigError, LaunchError
 from diloco_serverless.launcher import hub
 from diloco_serverless.launcher.api import Run, launch
 from diloco_serverless.run.members import write_metrics
 from diloco_serverless.run.record import load_run
-from support.fake_executor import FakeExecutor
+from support.fake_executor import FakeExecutor, write_final
 
 huggingface_hub = pytest.importorskip("huggingface_hub")  # the `hf` extra
 hf_constants = pytest.importorskip("huggingface_hub.constants")
@@ -80,9 +80,9 @@ class FinishedExecutor(FakeExecutor):
                     rec["eval_loss"] = 4.2 - 0.5 * rnd
                 write_metrics(store, rank, rnd, rec)
         if self.finish and not self.fail_ranks:
-            store.put("final/tokenizer.json", b"{}")
             store.put("final/LOCK.json", b'{"rank": 0}')
-            store.put("final/DONE.json", b'{"rank": 0, "files": []}')
+            write_final(store, {"final/model.safetensors": b"not really a model", "final/config.json": b"{}",
+                                "final/tokenizer.json": b"{}"}, (env or {}).get(RUN_KEY_ENV))
         return handles
 
 

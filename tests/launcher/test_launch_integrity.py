@@ -28,7 +28,7 @@ def test_each_run_gets_a_key_that_signs_run_json_and_stays_out_of_the_store(tmp_
     key_hex = ex.launched[0]["env"][RUN_KEY_ENV]
     key = bytes.fromhex(key_hex)
     assert load_local_key(run.url) == key
-    assert verify_json(key, "run.json", json.loads(ObjectStore(run.url).get("run.json")))
+    assert verify_json(key, "run.json", json.loads(ObjectStore(run.url).get("run.json")), place="run.json")
     for path in (tmp_path / "runs").rglob("*"):
         if path.is_file():
             assert key_hex.encode() not in path.read_bytes(), path

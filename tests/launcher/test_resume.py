@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from diloco_serverless.config import RunConfig
+from diloco_serverless.config import RUN_KEY_ENV, RunConfig
 from diloco_serverless.errors import LaunchError
 from diloco_serverless.launcher.api import Run, launch, resume
 from diloco_serverless.run.integrity import local_key_path
 from diloco_serverless.run.layout import FINAL_PREFIX
 from diloco_serverless.run.record import load_run
-from support.fake_executor import FakeExecutor
+from support.fake_executor import FakeExecutor, write_final
 
 
 def _cfg(tmp_path: Path, run_id: str = "r1") -> RunConfig:
@@ -42,7 +42,7 @@ class RankedFake(FakeExecutor):
         if n > 0:  # the resumed replicas finish the run
             store, _ = load_run(env["DILOCO_RUN_URL"]) if env else (None, None)
             assert store is not None
-            store.put(f"{FINAL_PREFIX}/config.json", b"{}")
+            write_final(store, {f"{FINAL_PREFIX}/config.json": b"{}"}, (env or {}).get(RUN_KEY_ENV))
         return [{"kind": self.kind, "rank": r, "job": f"fake-{r}-{n}"} for r in chosen]
 
     def poll(self, handles: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -49,13 +49,15 @@ def _cfg(tmp_path: Path, **extra: str) -> RunConfig:
 
 
 def test_hmac_binds_kind_and_content() -> None:
-    doc = mac_json(KEY, "quorum", {"round": 3, "participants": [0, 1]})
-    assert verify_json(KEY, "quorum", doc)
-    assert not verify_json(OTHER, "quorum", doc)
-    assert not verify_json(KEY, "ready", doc)  # a signed quorum does not pass for a ready marker
-    assert not verify_json(KEY, "quorum", {**doc, "participants": [0]})
-    assert not verify_json(KEY, "quorum", {k: v for k, v in doc.items() if k != MAC_FIELD})
-    assert not verify_json(KEY, "quorum", ["not", "an", "object"])
+    at = "rounds/00000003/quorum.json"
+    doc = mac_json(KEY, "quorum", {"round": 3, "participants": [0, 1]}, place=at)
+    assert verify_json(KEY, "quorum", doc, place=at)
+    assert not verify_json(OTHER, "quorum", doc, place=at)
+    assert not verify_json(KEY, "ready", doc, place=at)  # a signed quorum does not pass for a ready marker
+    assert not verify_json(KEY, "quorum", doc, place="rounds/00000004/quorum.json")  # nor at another key
+    assert not verify_json(KEY, "quorum", {**doc, "participants": [0]}, place=at)
+    assert not verify_json(KEY, "quorum", {k: v for k, v in doc.items() if k != MAC_FIELD}, place=at)
+    assert not verify_json(KEY, "quorum", ["not", "an", "object"], place=at)
     with pytest.raises(ValueError, match="not a run key"):
         parse_run_key("abc", source="$DILOCO_RUN_KEY")
 
@@ -75,7 +77,7 @@ def test_a_rewritten_run_json_is_refused(tmp_path: Path) -> None:
     run_store, record = create_run(None, _cfg(tmp_path), key=KEY)
     assert load_run(run_store.url, key=KEY)[1].run_id == record.run_id
     stored = json.loads(run_store.get("run.json"))
-    assert verify_json(KEY, "run.json", stored)
+    assert verify_json(KEY, "run.json", stored, place="run.json")
     # the co-tenant points the replicas at its own model and data (keeping the old signature)
     stored["config"]["model"]["name"] = "attacker/model"
     stored["config"]["model"]["trust_remote_code"] = True
@@ -150,14 +152,15 @@ def test_signed_exchange_objects_round_trip_and_carry_macs() -> None:
     quorum = json.loads(store.get("rounds/00000000/quorum.json"))
     (key,) = [k for k in store.list("rounds/00000000/ready") if "/rank-0." in k]
     ready = json.loads(store.get(key))
-    assert verify_json(KEY, "quorum", quorum) and verify_json(KEY, "ready", ready)
+    assert verify_json(KEY, "quorum", quorum, place="rounds/00000000/quorum.json")
+    assert verify_json(KEY, "ready", ready, place=key)
     assert key.endswith("." + ready["mac"])  # the marker is named by its MAC
     voted = _url()
     assert all(isinstance(o, torch.Tensor) for o in _round(voted, KEY, quorum=False).values())
     vote = ObjectStore(voted).child("t").get(vote_key(0, 1))
-    assert unpack(vote, key="vote", run_key=KEY)[1]["marker"]["rank"] == 1  # a vote is signed too
+    assert unpack(vote, key=vote_key(0, 1), run_key=KEY)[1]["marker"]["rank"] == 1  # a vote is signed too
     with pytest.raises(CorruptObjectError, match="signature"):
-        unpack(vote, key="vote", run_key=OTHER)
+        unpack(vote, key=vote_key(0, 1), run_key=OTHER)
 
 
 def test_a_forged_quorum_is_refused_by_every_replica() -> None:
@@ -178,7 +181,8 @@ def test_a_forged_ready_marker_is_refused() -> None:
     store = ObjectStore(url).child("t")
     marker = {"run_id": "t", "round": 0, "rank": 1, "world_size": 2, "numel": 300, "dtype": "torch.float32",
               "shape": [300], "codec": "fp32"}
-    store.put("rounds/00000000/ready/rank-1", json.dumps(mac_json(OTHER, "ready", marker)).encode())
+    store.put("rounds/00000000/ready/rank-1",
+              json.dumps(mac_json(OTHER, "ready", marker, place="rounds/00000000/ready/rank-1")).encode())
     with WithQuorum(url, 0, 2, run_id="t", run_key=KEY, **{**FAST, "timeout_s": 5.0}) as ar:
         with pytest.raises(CorruptObjectError, match=r"ready/rank-1.*signature"):
             ar.allreduce(randn(300, 0))
@@ -190,7 +194,8 @@ def test_a_ready_marker_named_without_the_run_key_is_read_and_refused() -> None:
     url = _url()
     store = ObjectStore(url).child("t")
     marker = ReadyMarker("t", 0, 1, 2, 300, "torch.float32", [300], "fp32", "direct")
-    store.put(ready_key(0, 1, marker_tag(marker, None)), json.dumps(mac_json(OTHER, "ready", asdict(marker))).encode())
+    forged = mac_json(OTHER, "ready", asdict(marker), place=ready_key(0, 1))
+    store.put(ready_key(0, 1, marker_tag(marker, None)), json.dumps(forged).encode())
     with WithQuorum(url, 0, 2, run_id="t", run_key=KEY, **{**FAST, "timeout_s": 5.0}) as ar:
         with pytest.raises(CorruptObjectError, match=r"ready/rank-1\..*signature"):
             ar.allreduce(randn(300, 0))
@@ -292,7 +297,8 @@ def test_a_forged_reduced_shard_with_a_valid_checksum_is_refused() -> None:
     # rank 0 publishes first; the forger then plants the reduced shard 1 that rank 1 would write
     header = ShardHeader("t", 0, 1, "reduced", "fp32", 150, None, "torch.float32", [300])
     for forger_key in (None, OTHER):
-        blob = pack(encode_values(torch.full((150,), 1e3), "fp32"), asdict(header), forger_key)
+        blob = pack(encode_values(torch.full((150,), 1e3), "fp32"), asdict(header), forger_key,
+                    place="rounds/00000000/reduced/0001")
         unpack(blob, key="x")  # a well-formed object with a correct checksum
         store.put("rounds/00000000/reduced/0001", blob)
         with WithQuorum(url, 0, 2, run_id="t", run_key=KEY, min_replicas=1,
@@ -308,6 +314,8 @@ def test_contributions_carry_the_runs_mac() -> None:
     url = _url()
     _round(url, KEY)
     blob = ObjectStore(url).child("t").get("rounds/00000000/contrib/0000/rank-1")
-    unpack(blob, key="contrib", run_key=KEY)
+    unpack(blob, key="rounds/00000000/contrib/0000/rank-1", run_key=KEY)
     with pytest.raises(CorruptObjectError, match="signature"):
-        unpack(blob, key="contrib", run_key=OTHER)
+        unpack(blob, key="rounds/00000000/contrib/0000/rank-1", run_key=OTHER)
+    with pytest.raises(CorruptObjectError, match="signature for this key"):  # copied to rank 0's key
+        unpack(blob, key="rounds/00000000/contrib/0000/rank-0", run_key=KEY)

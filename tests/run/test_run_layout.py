@@ -106,7 +106,7 @@ def test_create_is_create_only_and_load_round_trips(file_store_url: str) -> None
     assert loaded.config == record.config and loaded.config.replicas == 2
     assert loaded.run_id == "run-a" and loaded.version == 1 and loaded.url == loaded_store.url
     raw = json.loads(store.get(RUN_JSON))
-    assert set(raw) == {"run_id", "created_at", "version", "config", "launch"}
+    assert set(raw) == {"run_id", "created_at", "version", "config", "launch", "revision"}
 
 
 def test_create_uses_config_store_when_none(tmp_path: Path) -> None:

@@ -543,9 +543,10 @@ def run_chaos(plan: ChaosPlan, workdir: Path, moto: str, *, keep_store: bool = F
 
 
 def _final_complete(result: ChaosResult) -> bool:
-    """final/DONE.json exists and every file it lists is in final/ (a model and a config among them)."""
+    """final/DONE.json exists and every file it lists (key -> SHA-256) is in final/ (a model and a config
+    among them)."""
     done = result.final_done
-    if not isinstance(done, dict) or not isinstance(done.get("files"), list):
+    if not isinstance(done, dict) or not isinstance(done.get("files"), dict):
         return False
     files = set(result.final_files)
     listed = set(done["files"])

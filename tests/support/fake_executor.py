@@ -7,15 +7,26 @@ loss, logs, a final model), so status/ls/plot/summary read a realistic run in mi
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+from diloco_serverless.config import RUN_KEY_ENV
+from diloco_serverless.run.final import FINAL_DONE, done_bytes
 from diloco_serverless.run.layout import log_key
 from diloco_serverless.run.members import Heartbeat, write_heartbeat, write_metrics
 from diloco_serverless.run.record import load_run
 
 
+def write_final(store: Any, files: dict[str, bytes], run_key_hex: str | None) -> None:
+    """Put ``files`` (key under final/ -> bytes) and the signed final/DONE.json listing them, as write_final does."""
+    for key, data in files.items():
+        store.put(key, data)
+    key = bytes.fromhex(run_key_hex) if run_key_hex else None
+    store.put(FINAL_DONE, done_bytes(key, {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}, rank=0))
+
+
 def simulate_replicas(run_url: str, n: int, rounds: int, *, fail_ranks: tuple[int, ...] = (),
-                      finish: bool = True) -> None:
+                      finish: bool = True, run_key_hex: str | None = None) -> None:
     """Write heartbeats, metrics, logs and (if finish) final/ as N replicas of ``rounds`` rounds would."""
     store, _ = load_run(run_url)
     for rank in range(n):
@@ -32,8 +43,8 @@ def simulate_replicas(run_url: str, n: int, rounds: int, *, fail_ranks: tuple[in
                                          message="boom: simulated crash" if failed else None))
         store.put(log_key(rank), "".join(f"rank {rank} line {i}\n" for i in range(20)).encode())
     if finish and not fail_ranks:
-        store.put("final/model.safetensors", b"not really a model")
-        store.put("final/config.json", b"{}")
+        write_final(store, {"final/model.safetensors": b"not really a model", "final/config.json": b"{}"},
+                    run_key_hex)
 
 
 class FakeExecutor:
@@ -55,7 +66,7 @@ class FakeExecutor:
         env = env or {}
         self.launched.append({"n": n_replicas, "entrypoint": entrypoint, "args": entrypoint_args, "env": env})
         simulate_replicas(env["DILOCO_RUN_URL"], n_replicas, self.rounds, fail_ranks=self.fail_ranks,
-                          finish=self.finish)
+                          finish=self.finish, run_key_hex=env.get(RUN_KEY_ENV))
         return [{"kind": self.kind, "rank": r, "job": f"fake-{r}"} for r in range(n_replicas)]
 
     def poll(self, handles: list[dict[str, Any]]) -> list[dict[str, Any]]:
