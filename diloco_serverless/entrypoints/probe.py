@@ -29,17 +29,13 @@ import time
 from diloco_serverless.config import RUN_KEY_ENV
 from diloco_serverless.executors.base import ATTEMPT_DEADLINE_ENV, ATTEMPT_TIMEOUT_ENV, CONTINUE_EXIT_CODE
 from diloco_serverless.run.integrity import mac_json, run_key_from_env
+from diloco_serverless.run.layout import probe_key
 from diloco_serverless.store.objectstore import ObjectStore
 
 #: the object kind the probe's records are signed as
 PROBE_KIND = "doctor-probe"
 #: a chained attempt stops this long before its deadline (or at half its cap, if shorter)
 MARGIN_S = 15.0
-
-
-def probe_key(rank: int, attempt: int) -> str:
-    """Where attempt ``attempt`` of rank ``rank`` records itself, under the run."""
-    return f"doctor/rank-{rank}/attempt-{attempt}.json"
 
 
 def _deadline(started: float) -> float | None:
@@ -72,12 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     deadline = _deadline(started)
     record = {"rank": rank, "attempt": attempt, "mode": args.mode, "started": started, "deadline": deadline,
               "host": socket.gethostname(), "python": sys.version.split()[0]}
+    place = probe_key(rank, attempt)
     try:
-        ObjectStore(args.run_url).put_json(probe_key(rank, attempt), mac_json(key, PROBE_KIND, record))
+        ObjectStore(args.run_url).put_json(place, mac_json(key, PROBE_KIND, record, place=place))
     except Exception as exc:
         print(f"error: probe rank {rank} could not write to {args.run_url}: {type(exc).__name__}: {exc}", flush=True)
         return 2
-    print(f"probe rank={rank} attempt={attempt} mode={args.mode} deadline={deadline} wrote {probe_key(rank, attempt)}",
+    print(f"probe rank={rank} attempt={attempt} mode={args.mode} deadline={deadline} wrote {place}",
           flush=True)
     if args.mode == "chain" and attempt == 0:
         if deadline is None:

@@ -44,6 +44,7 @@ from diloco_serverless.executors.base import (
 )
 from diloco_serverless.executors.registry import build_executor, executor_for_handle
 from diloco_serverless.run.integrity import new_run_key, parse_run_key, verify_json
+from diloco_serverless.run.layout import probe_key
 from diloco_serverless.run.record import join_run_url
 from diloco_serverless.store.objectstore import ObjectStore
 
@@ -309,10 +310,10 @@ def _held(report: DoctorReport, name: str, detail: str) -> None:
 def _record(store: ObjectStore, key: bytes, rank: int, attempt: int) -> dict[str, Any] | None:
     """The probe's signed record of ``rank``'s ``attempt``, or None (absent or not signed with the key)."""
     try:
-        doc = store.get_json(f"doctor/rank-{rank}/attempt-{attempt}.json")
+        doc = store.get_json(probe_key(rank, attempt))
     except Exception:
         return None
-    return doc if verify_json(key, PROBE_KIND, doc) else None
+    return doc if verify_json(key, PROBE_KIND, doc, place=probe_key(rank, attempt)) else None
 
 
 if __name__ == "__main__":

@@ -269,3 +269,9 @@ def metrics_key(rank: int, round: int) -> str:
 def log_key(rank: int) -> str:
     """``logs/rank-<r>.log`` (local executor, file stores)."""
     return f"{LOGS_PREFIX}/{_rank(rank)}.log"
+
+
+def probe_key(rank: int, attempt: int) -> str:
+    """Where attempt ``attempt`` of probe rank ``rank`` of ``diloco doctor`` records itself, under the run."""
+    _check_index("attempt", attempt, 6)
+    return f"doctor/{_rank(rank)}/attempt-{attempt}.json"
