@@ -411,7 +411,7 @@ TRUST_REMOTE_CODE_ENV = "DILOCO_TRUST_REMOTE_CODE"
 RUN_KEY_ENV = "DILOCO_RUN_KEY"
 
 #: Pseudo-gradient codecs on the wire (implemented in diloco_serverless.exchange.codec).
-Codec = Literal["fp32", "bf16", "int8"]
+Codec = Literal["fp32", "bf16", "int8", "sparse"]
 
 #: Exchange deadlines and polling, in seconds: the one definition of their defaults, used by
 #: ExchangeConfig, ObjectStoreAllReduce and ObjectStoreManager alike.
