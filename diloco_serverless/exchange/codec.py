@@ -94,11 +94,14 @@ def validate_codec(codec: str) -> str:
     return codec
 
 
-def reduced_codec(codec: str) -> str:
-    """The codec of a round's stored reduced shards: the round's own, but ``int8`` for a sparse round (a
-    mean of N sparse contributions is dense; int8 keeps a sharded sparse round within the bytes of an
-    int8 one, docs/exchange.md "Sparse pseudo-gradients")."""
-    return "int8" if sparse.is_sparse(codec) else codec
+def reduced_codec(codec: str, *, stored: bool = True) -> str:
+    """The codec a round's mean passes through: the round's own, but for a sparse round ``int8`` when it is
+    stored as reduced shards (a mean of N sparse contributions is dense; int8 keeps a sharded sparse round
+    within the bytes of an int8 one) and ``fp32`` (untouched) when every replica sums the contributions
+    itself (direct), docs/exchange.md "Sparse pseudo-gradients"."""
+    if sparse.is_sparse(codec):
+        return "int8" if stored else "fp32"
+    return codec
 
 
 # --------------------------------------------------------------------------- codecs

@@ -345,6 +345,7 @@ class ReplicaTrainer:
     def _build_manager(self, storage_options: dict[str, Any] | None, extra: dict[str, Any]) -> ObjectStoreManager:
         ex = self.cfg.exchange
         opts: dict[str, Any] = {"takeover_timeout_s": ex.takeover_timeout_s, "topology": ex.topology,
+                                "feedback_decay": ex.feedback_decay,
                                 "transfer": transfer_policy(self.cfg), **extra}
         if ex.poll_interval_s is not None:
             opts.setdefault("poll_interval_s", ex.poll_interval_s)
@@ -362,7 +363,7 @@ class ReplicaTrainer:
             run_id=run_id,
             min_replicas=self.cfg.effective_min_replicas,
             fragments=self.fragments,
-            codec=ex.codec,
+            codec=ex.wire_codec,
             error_feedback=ex.error_feedback,
             timeout_s=ex.round_timeout_s,
             straggler_timeout_s=ex.straggler_timeout_s,
