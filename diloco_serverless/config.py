@@ -745,11 +745,6 @@ class RunConfig(_Section):
                 f"exchange.fragment_sync_delay ({self.exchange.fragment_sync_delay}) must be smaller than "
                 f"inner.sync_every / exchange.fragments ({h // f})"
             )
-        if self.parallel.devices > 1 and self.exchange.error_feedback:
-            raise ValueError(
-                f"exchange.error_feedback is not supported with parallel.devices={self.parallel.devices} yet (each "
-                "device would keep its own residual); use exchange.codec='fp32' or parallel.devices=1"
-            )
         _refuse_secrets(self.model_dump(mode="json"), "")
         return self
 
