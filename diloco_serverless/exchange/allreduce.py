@@ -54,6 +54,7 @@ from diloco_serverless.exchange.codec import (
     pack,
     payload_bytes,
     reduced_codec,
+    roundtrip,
     validate_codec,
 )
 from diloco_serverless.exchange.errors import (
@@ -291,8 +292,11 @@ class ObjectStoreAllReduce:
                 out = self._gather(rs, quorum)
         finally:
             rs.stop_early()
-        if self.error_feedback and self.codec != "fp32" and rs.own is not None and not rs.stats.late:
-            self._residuals[residual_key] = flat - torch.cat(rs.own)
+        if self.error_feedback and self.codec != "fp32" and not rs.stats.late and rs.stats.abstained is None:
+            # A replica re-running a round it took part in before a restart contributed what it stored then:
+            # the same bytes its (identical) input encodes to now, so its residual is recomputed from them.
+            own = rs.own if rs.own is not None else [roundtrip(flat[a:b], self.codec) for a, b in rs.bounds]
+            self._residuals[residual_key] = flat - torch.cat(own)
         self._next_round = r + 1
         self._finish(rs, t0)
         return out.view(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)

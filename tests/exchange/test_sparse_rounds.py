@@ -210,3 +210,23 @@ def test_auto_never_moves_more_than_an_int8_sharded_round() -> None:
         assert sparse_bytes <= sharded_round_bytes(p8, w), w
     assert chosen[1024] == "hierarchical" and chosen[8] == "direct"
     assert resolve("auto", 8, 4 * numel) == "flat"  # a dense tensor of this size: unchanged
+
+
+@pytest.mark.parametrize("topology", ["flat", "direct"])
+def test_a_replica_rerunning_a_round_it_contributed_to_keeps_the_same_buffer(url: str, topology: str) -> None:
+    """A restarted replica re-running a round whose contribution it stored before the crash (it does not
+    write it again) ends the round with the buffer it would have had: the chaos suite's exact resume."""
+    n, world = 2_000, 2
+    xs = {r: randn(n, 60 + r) for r in range(world)}
+    opts: dict[str, Any] = {"codec": CODEC, "error_feedback": True, "feedback_decay": 0.95, "topology": topology,
+                            "keep_rounds": None}
+    _, errors, _ = run_replicas(url, xs, world, rounds=1, make=_Keep, **opts)
+    assert not errors
+    before = {r: _Keep.kept[r] for r in range(world)}
+    with ObjectStoreAllReduce(url, 0, world, run_id="t", **FAST, **opts) as again:
+        out = again.allreduce(xs[0], round=0)  # its contribution and vote are stored: read, not written
+        assert again.last_stats is not None and not again.last_stats.late
+        if topology == "flat":  # it finds its vote first and writes nothing (direct: its create-only PUT loses)
+            assert again.last_stats.bytes_up == 0
+        assert torch.equal(again.residuals()["default"], before[0]["default"])
+    assert torch.isfinite(out).all()
