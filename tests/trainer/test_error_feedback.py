@@ -72,7 +72,8 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_local_processes_save_every_slice_and_each_gets_its_own_back(tmp_path: Path) -> None:
-    mp.start_processes(_child, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_child, args=(_free_port(), str(tmp_path)), nprocs=2,  # type: ignore[attr-defined,no-untyped-call]
+                       start_method="spawn", join=True)
     got: list[dict[str, Any]] = [torch.load(tmp_path / f"{g}.pt") for g in range(2)]
     want = {f"residual/fragment-0/local-{g}": _buffers(g)["fragment-0"] for g in range(2)}
     want["residual/fragment-1/local-1"] = _buffers(1)["fragment-1"]
