@@ -462,10 +462,13 @@ class ReplicaTrainer:
                         "so the resume stays exact", self.rank, latest, latest)
         return retrain
 
-    def _replica_state(self, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _replica_state(
+        self, buffers: dict[str, torch.Tensor] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What this replica alone knows and a restart would otherwise lose: the inner optimizer's
         moments and step counts, its hyper-parameters, the TAID scheduler, the RNG, and the error-feedback
-        ``buffers`` (:func:`~diloco_serverless.trainer.error_feedback.gather_buffers`)."""
+        ``buffers`` (:func:`~diloco_serverless.trainer.error_feedback.gather_buffers`, a collective call with
+        several local processes; ``None``: this process's own)."""
         opt = gather_optimizer_state(self.local, self.inner) if self.fsdp else self.inner.state_dict()  # type: ignore[arg-type]
         tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
         scalars: dict[str, dict[str, Any]] = {}
@@ -477,7 +480,7 @@ class ReplicaTrainer:
                     scalars.setdefault(str(idx), {})[name] = value
         if torch.cuda.is_available() and self.device.type == "cuda":
             tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device)
-        tensors.update(buffers)
+        tensors.update(buffers if buffers is not None else gather_buffers(self.manager, None, self.fragments))
         at, loss = torch.stack([self._diverged_at.double(), self._diverged_loss.double()]).tolist()
         doc = {
             "param_groups": opt["param_groups"],
