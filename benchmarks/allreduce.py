@@ -76,7 +76,11 @@ STORE_TIMEOUT_S = 1800.0
 #: Round trips no exchange design avoids: publish, quorum, reduce, gather.
 ROUND_TRIPS = 4
 INT8_BYTES_PER_ELEM = 1 + 4 / 256
-CODEC_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": INT8_BYTES_PER_ELEM}
+#: sparse (the default 64 of 4,096 at 2 bits): 64 x (12 + 2) bits and one fp32 scale per 4,096 values
+SPARSE_BYTES_PER_ELEM = (64 * 14 / 8 + 4) / 4096
+CODEC_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": INT8_BYTES_PER_ELEM, "sparse": SPARSE_BYTES_PER_ELEM}
+#: A sparse round under ``--topology auto`` is direct: publish, list the votes, GET the others' objects.
+SPARSE_ROUND_TRIPS = 3
 RESULTS = Path(__file__).with_name("results") / "allreduce.json"
 
 
@@ -334,7 +338,8 @@ def summarise(case: Case, per_rank: list[dict[str, Any]], server: dict[int, list
     else:
         ups, downs, requests = [d["wchar"] for d in per_rank], [d["rchar"] for d in per_rank], []
     payload = case.p_mb * MB / 4 * CODEC_BYTES[case.codec]
-    lower = payload + 2 * payload * (case.n - 1) / case.n
+    # a sparse (direct) round's own bytes: its object up, the N - 1 others down
+    lower = payload * case.n if case.codec == "sparse" else payload + 2 * payload * (case.n - 1) / case.n
     up, down = max(ups), max(downs)
     return {
         **asdict(case),
@@ -371,10 +376,11 @@ def print_row(r: dict[str, Any], flush: bool = False) -> None:
     )
 
 
-def physical_limit_s(preset: StorePreset, scale: float, lower_bound_bytes: float) -> float:
+def physical_limit_s(preset: StorePreset, scale: float, lower_bound_bytes: float, trips: int = ROUND_TRIPS) -> float:
     """What no exchange can beat on ``preset`` (at ``scale``): a replica's lower-bound bytes through its
-    per-client cap, plus :data:`ROUND_TRIPS` first-byte medians."""
-    return lower_bound_bytes / (preset.client_mb_s * 1e6 * scale) + ROUND_TRIPS * preset.first_byte_ms / 1000 / scale
+    per-client cap, plus ``trips`` first-byte medians (:data:`ROUND_TRIPS`; a sparse round
+    :data:`SPARSE_ROUND_TRIPS`)."""
+    return lower_bound_bytes / (preset.client_mb_s * 1e6 * scale) + trips * preset.first_byte_ms / 1000 / scale
 
 
 def plan(quick: bool, backends: list[str], repeat: int, ns_: list[int] | None = None,
@@ -582,7 +588,8 @@ def main() -> int:
     for r in rows:
         if r["backend"] in PRESETS:
             r["scale"] = args.scale
-            r["physical_limit_s"] = physical_limit_s(PRESETS[r["backend"]], args.scale, r["lower_bound_mb"] * MB)
+            r["physical_limit_s"] = physical_limit_s(PRESETS[r["backend"]], args.scale, r["lower_bound_mb"] * MB,
+                                                     SPARSE_ROUND_TRIPS if r["codec"] == "sparse" else ROUND_TRIPS)
     result = {
         "machine": {
             "cpus": os.cpu_count(),

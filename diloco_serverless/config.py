@@ -416,7 +416,7 @@ TRUST_REMOTE_CODE_ENV = "DILOCO_TRUST_REMOTE_CODE"
 RUN_KEY_ENV = "DILOCO_RUN_KEY"
 
 #: Pseudo-gradient codecs on the wire (implemented in diloco_serverless.exchange.codec).
-Codec = Literal["fp32", "bf16", "int8"]
+Codec = Literal["fp32", "bf16", "int8", "sparse"]
 
 #: Exchange deadlines and polling, in seconds: the one definition of their defaults, used by
 #: ExchangeConfig, ObjectStoreAllReduce and ObjectStoreManager alike.
@@ -438,11 +438,34 @@ STORE_PART_CONCURRENCY = 8
 STORE_HEDGE_QUANTILE = 0.75
 
 
+class SparseConfig(_Section):
+    """The ``sparse`` codec (diloco_serverless.exchange.sparse; SparseLoCo, arXiv 2508.15706): of every
+    ``chunk`` values the ``k`` largest in magnitude, each a packed index and a ``bits``-bit code of a
+    per-chunk scale. The defaults (64 of 4,096, 2 bits) are 0.227 bits per parameter."""
+
+    chunk: int = Field(4096, ge=16, le=65536, description="Values per chunk (a power of two, 16 to 65,536).")
+    k: int = Field(64, ge=1, description="Values kept per chunk (at most chunk).")
+    bits: Literal[2, 4, 8] = Field(2, description="Bits of each kept value's code (a sign and bits-1 magnitude bits).")
+
+    @model_validator(mode="after")
+    def _chunk_and_k(self) -> SparseConfig:
+        if self.chunk & (self.chunk - 1):
+            raise ValueError(f"exchange.sparse.chunk must be a power of two (e.g. 4096), got {self.chunk}")
+        if self.k > self.chunk:
+            raise ValueError(f"exchange.sparse.k ({self.k}) must be at most exchange.sparse.chunk ({self.chunk})")
+        return self
+
+
 class ExchangeConfig(_Section):
     """How pseudo-gradients travel through the store (``ObjectStoreAllReduce``)."""
 
     codec: Codec = Field("fp32", description="Pseudo-gradient codec on the wire.")
     error_feedback: bool = Field(False, description="Add the codec's residual to the next round (lossy codecs).")
+    feedback_decay: float = Field(
+        1.0, ge=0.0, le=1.0, description="Error feedback: the residual is scaled by this before it is added "
+        "(SparseLoCo's beta, 0.95; 1 keeps it whole)."
+    )
+    sparse: SparseConfig = Field(default_factory=SparseConfig, description="[exchange.sparse] section.")
     fragments: int = Field(1, ge=1, description="Streaming DiLoCo fragments; must divide inner.sync_every.")
     fragment_sync_delay: int = Field(
         0, ge=0, description="Inner steps a fragment's exchange overlaps with training (Streaming DiLoCo tau)."
@@ -471,6 +494,14 @@ class ExchangeConfig(_Section):
         "O(sqrt N) requests), direct (whole tensors: fewest round trips, (N-1) x P down) or auto (direct at N=2 "
         "and for small tensors below 64 replicas, flat for larger ones, hierarchical from 64).",
     )
+
+    @property
+    def wire_codec(self) -> str:
+        """The codec name the exchange writes: ``codec``, or for ``sparse`` its full name with the layout
+        (``sparse-64of4096-2bit``), which every object's header and ready marker carry."""
+        if self.codec != "sparse":
+            return self.codec
+        return f"sparse-{self.sparse.k}of{self.sparse.chunk}-{self.sparse.bits}bit"
 
 
 #: How a replica's local processes share its work (``parallel.strategy``).
@@ -718,11 +749,6 @@ class RunConfig(_Section):
             raise ValueError(
                 f"exchange.fragment_sync_delay ({self.exchange.fragment_sync_delay}) must be smaller than "
                 f"inner.sync_every / exchange.fragments ({h // f})"
-            )
-        if self.parallel.devices > 1 and self.exchange.error_feedback:
-            raise ValueError(
-                f"exchange.error_feedback is not supported with parallel.devices={self.parallel.devices} yet (each "
-                "device would keep its own residual); use exchange.codec='fp32' or parallel.devices=1"
             )
         _refuse_secrets(self.model_dump(mode="json"), "")
         return self

@@ -70,7 +70,7 @@ def test_bad_override_keys(override: str, expected: str) -> None:
     [
         (["replicas=0"], "replicas", "greater than or equal to 1"),
         (["min_replicas=5"], "min_replicas (5)", "replicas (4)"),
-        (["exchange.codec=fp8"], "exchange.codec", "'fp32', 'bf16' or 'int8'"),
+        (["exchange.codec=fp8"], "exchange.codec", "'fp32', 'bf16', 'int8' or 'sparse'"),
         (["loss.dpo_variant=ipo"], "loss.dpo_variant", "'dpo' or 'simpo'"),
         (["loss.sdpo_wrapper=x"], "loss.sdpo_wrapper", "'taid' or 'entropy_opd'"),
         (["exchange.fragments=0"], "exchange.fragments", "greater than or equal to 1"),

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
-from diloco_serverless.exchange.codec import CODECS, max_object_bytes
+from diloco_serverless.exchange.codec import max_object_bytes, reduced_codec, validate_codec
 from diloco_serverless.exchange.errors import CorruptObjectError
 from diloco_serverless.exchange.topology import PROTOCOLS, shard_count
 from diloco_serverless.run.layout import ROUNDS_PREFIX, SPREAD_PREFIX
@@ -140,7 +140,11 @@ class RoundLayout(NamedTuple):
         numel, world_size, codec = marker.get("numel"), marker.get("world_size"), marker.get("codec")
         if type(numel) is not int or type(world_size) is not int or numel < 0 or world_size < 1:
             return None
-        if not isinstance(codec, str) or codec not in CODECS:
+        if not isinstance(codec, str):
+            return None
+        try:
+            validate_codec(codec)
+        except ValueError:
             return None
         protocol, split = marker.get("protocol", "flat"), marker.get("split", 1)
         if protocol not in PROTOCOLS or type(split) is not int or split < 1:
@@ -239,7 +243,8 @@ class CountingStore:
         layout = known[0]
         if m.group(4) is not None:  # a hierarchical group partial: always fp32
             return max_object_bytes("fp32", layout.shard_numel(int(m.group(4))))
-        return max_object_bytes(layout.codec, layout.shard_numel(int(m.group(2) or m.group(3))))
+        n = layout.shard_numel(int(m.group(2) or m.group(3)))
+        return max(max_object_bytes(layout.codec, n), max_object_bytes(reduced_codec(layout.codec), n))
 
     def _learn(self, key: str, data: bytes, *, own: bool) -> None:
         """Record the round layout in a ready marker or ``quorum.json`` we wrote or read; anything

@@ -52,6 +52,9 @@ from diloco_serverless.exchange.codec import (
     encode_values,
     max_object_bytes,
     pack,
+    payload_bytes,
+    reduced_codec,
+    roundtrip,
     validate_codec,
 )
 from diloco_serverless.exchange.errors import (
@@ -78,7 +81,9 @@ from diloco_serverless.exchange.quorum import (
     wait_for_quorum,
     write_abstention,
 )
-from diloco_serverless.exchange.topology import resolve, shard_count, split_for
+from diloco_serverless.exchange.robust import guarded_sum
+from diloco_serverless.exchange.sparse import is_sparse
+from diloco_serverless.exchange.topology import Protocol, resolve, shard_count, split_for
 from diloco_serverless.exchange.votes import VotedRound, mean_of, piece_header, quorum_of, quorumless
 from diloco_serverless.run.layout import (
     ROUNDS_PREFIX,
@@ -166,6 +171,8 @@ class ObjectStoreAllReduce:
             reducing that shard itself.
         codec: ``fp32``, ``bf16`` or ``int8`` for contributions and reduced shards (reduction is fp32).
         error_feedback: add the codec's residual of the previous round (per ``residual_key``) to the input.
+        feedback_decay: the residual is scaled by this before it is added (SparseLoCo's ``beta``: the buffer
+            ``e = beta * e + delta`` is what is compressed, and what was sent is taken out of it); 1 keeps it whole.
         keep_rounds: rounds kept in the store (older ones are deleted); ``None`` keeps all (use ``prune``).
         run_key: the run's secret key (diloco_serverless.run.integrity): every object this replica writes
             carries an HMAC under it, and objects read without a valid one are refused as corrupt.
@@ -194,6 +201,7 @@ class ObjectStoreAllReduce:
         takeover_timeout_s: float = TAKEOVER_TIMEOUT_S,
         codec: str = "fp32",
         error_feedback: bool = False,
+        feedback_decay: float = 1.0,
         keep_rounds: int | None = 4,
         storage_options: dict[str, Any] | None = None,
         poll_interval_s: float = POLL_INTERVAL_S,
@@ -218,6 +226,9 @@ class ObjectStoreAllReduce:
         )
         self.min_replicas = world_size if min_replicas is None else min_replicas
         self.error_feedback, self.keep_rounds, self.poll_interval_s = error_feedback, keep_rounds, poll_interval_s
+        if not 0.0 <= feedback_decay <= 1.0:
+            raise ValueError(f"feedback_decay must be between 0 and 1, got {feedback_decay}")
+        self.feedback_decay = feedback_decay
         self.last_stats: RoundStats | None = None
         self._next_round = 0
         self._attempted: int | None = None  # the round of the last allreduce call (finished or not)
@@ -263,7 +274,7 @@ class ObjectStoreAllReduce:
         flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
         if self.error_feedback and self.codec != "fp32":
             flat = self._add_residual(flat, residual_key)
-        self.protocol = resolve(self.topology, self.world_size, max_object_bytes(self.codec, flat.numel()))
+        self.protocol = self._protocol(flat.numel())
         me = self._marker(r, tensor, self.protocol)
         rs = _Round(r, me, shard_bounds(flat.numel(), shard_count(self.world_size, self.protocol, me.split)),
                     t0 + self.timeout_s)
@@ -283,8 +294,11 @@ class ObjectStoreAllReduce:
                 self._confirm_quorum(rs, quorum)
         finally:
             rs.stop_early()
-        if self.error_feedback and self.codec != "fp32" and rs.own is not None and not rs.stats.late:
-            self._residuals[residual_key] = flat - torch.cat(rs.own)
+        if self.error_feedback and self.codec != "fp32" and not rs.stats.late and rs.stats.abstained is None:
+            # A replica re-running a round it took part in before a restart contributed what it stored then:
+            # the same bytes its (identical) input encodes to now, so its residual is recomputed from them.
+            own = rs.own if rs.own is not None else [roundtrip(flat[a:b], self.codec) for a, b in rs.bounds]
+            self._residuals[residual_key] = flat - torch.cat(own)
         self._next_round = r + 1
         self._finish(rs, t0)
         return out.view(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
@@ -347,8 +361,7 @@ class ObjectStoreAllReduce:
             return False
         if read_quorum(self._io, run_id=self.run_id, round=round, run_key=self._run_key) is not None:
             return True
-        me = self._marker(round, like, resolve(self.topology, self.world_size,
-                                               max_object_bytes(self.codec, like.numel())))
+        me = self._marker(round, like, self._protocol(like.numel()))
         if not quorumless(me, quorum=self._QUORUM):
             return False
         return VotedRound(self._io, me, self._wait(time.monotonic() + self.timeout_s)).complete()
@@ -472,8 +485,7 @@ class ObjectStoreAllReduce:
         something."""
         io = self._io
         assert io is not None
-        me = self._marker(round, like, resolve(self.topology, self.world_size,
-                                               max_object_bytes(self.codec, like.numel())))
+        me = self._marker(round, like, self._protocol(like.numel()))
         if not quorumless(me, quorum=self._QUORUM):
             return None
         entries = VotedRound(io, me, self._wait(time.monotonic() + self.timeout_s)).stored()
@@ -695,11 +707,11 @@ class ObjectStoreAllReduce:
                 return decode_shard(stored, key=key, expect=expect, run_key=self._run_key)
         acc = self._sum_contributions(rs, quorum, j, ref)
         acc /= len(quorum.participants)
-        enc = encode_values(acc, self.codec)
+        enc = encode_values(acc, reduced_codec(self.codec))
         key = reduced_key(rs.r, j, self._spread)
         expect = self._reduced_header(rs.r, j, (a, b), ref, quorum)
         if io.put_if_absent(key, pack(enc, asdict(expect), self._run_key, place=key)):
-            return decode_values(enc, self.codec, b - a)
+            return decode_values(enc, expect.codec, b - a)
         return decode_shard(io.get(key), key=key, expect=expect, run_key=self._run_key)
 
     def _reduce_direct(self, rs: _Round, quorum: Quorum, ref: ReadyMarker) -> torch.Tensor:
@@ -710,7 +722,8 @@ class ObjectStoreAllReduce:
         for j in range(len(rs.bounds)):
             acc = self._sum_contributions(rs, quorum, j, ref)
             acc /= len(quorum.participants)
-            pieces.append(decode_values(encode_values(acc, ref.codec), ref.codec, acc.numel()))
+            codec = reduced_codec(ref.codec, stored=False)
+            pieces.append(decode_values(encode_values(acc, codec), codec, acc.numel()))
         return torch.cat(pieces)
 
     def _gather_hierarchical(self, rs: _Round, quorum: Quorum) -> torch.Tensor:
@@ -754,10 +767,18 @@ class ObjectStoreAllReduce:
                 blobs[k] = data
                 early.add(k)
         acc = torch.zeros(b - a, dtype=torch.float32)
+        guarded: list[tuple[int, torch.Tensor]] = []  # a sparse round sums through the guard (exchange/robust.py)
+
+        def add(q: int, values: torch.Tensor) -> None:
+            if is_sparse(ref.codec):
+                guarded.append((q, values))
+            else:
+                acc.add_(values)
+
         for q in quorum.participants:
             if use_own and q == self.rank:
                 assert rs.own is not None
-                acc += rs.own[j]
+                add(q, rs.own[j])
                 continue
             if keys[q] not in blobs:
                 raise ExchangeError(
@@ -766,11 +787,13 @@ class ObjectStoreAllReduce:
                 )
             head = piece_header(replace(ref, rank=q), j, rs.bounds[j])
             try:
-                acc += decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self._run_key)
+                add(q, decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self._run_key))
             except CorruptObjectError:
                 if keys[q] not in early:
                     raise
-                acc += decode_shard(io.get(keys[q]), key=keys[q], expect=head, run_key=self._run_key)
+                add(q, decode_shard(io.get(keys[q]), key=keys[q], expect=head, run_key=self._run_key))
+        if guarded:
+            acc = guarded_sum(guarded, what=f"round {rs.r} shard {j}")
         return acc
 
     def _finish(self, rs: _Round, t0: float) -> None:
@@ -822,8 +845,8 @@ class ObjectStoreAllReduce:
 
     def _reduced_header(self, r: int, j: int, bounds: tuple[int, int], ref: ReadyMarker,
                         quorum: Quorum) -> ShardHeader:
-        return ShardHeader(self.run_id, r, j, "reduced", ref.codec, bounds[1] - bounds[0], None, ref.dtype, ref.shape,
-                           list(quorum.participants))
+        return ShardHeader(self.run_id, r, j, "reduced", reduced_codec(ref.codec), bounds[1] - bounds[0], None,
+                           ref.dtype, ref.shape, list(quorum.participants))
 
     def residuals(self) -> dict[str, torch.Tensor]:
         """The error-feedback residuals carried to the next round, by key (for exact resume)."""
@@ -837,7 +860,14 @@ class ObjectStoreAllReduce:
         res = self._residuals.get(key)
         if res is None or res.numel() != flat.numel():
             return flat
-        return flat + res
+        return flat + res if self.feedback_decay == 1.0 else torch.add(flat, res, alpha=self.feedback_decay)
+
+    def _protocol(self, numel: int) -> Protocol:
+        """This round's protocol (:func:`.topology.resolve`); a sparse codec's ``auto`` weighs its payload
+        against the same tensor's int8 one (:func:`.topology.compressed_direct`)."""
+        compressed = ((payload_bytes(self.codec, numel), payload_bytes("int8", numel))
+                      if reduced_codec(self.codec) != self.codec else None)
+        return resolve(self.topology, self.world_size, max_object_bytes(self.codec, numel), compressed=compressed)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -40,6 +40,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from diloco_serverless.config import Codec
+from diloco_serverless.exchange import sparse
 from diloco_serverless.exchange.errors import CorruptObjectError, ParticipantsChangedError
 from diloco_serverless.run.integrity import mac_bytes
 
@@ -56,6 +57,7 @@ __all__ = [
     "max_object_bytes",
     "pack",
     "payload_bytes",
+    "reduced_codec",
     "roundtrip",
     "unpack",
     "validate_codec",
@@ -83,9 +85,22 @@ _ST_DTYPES: dict[torch.dtype, str] = {
 
 
 def validate_codec(codec: str) -> str:
-    """Return ``codec`` if it is known, else raise ``ValueError`` listing the choices."""
+    """Return ``codec`` if it is known (a sparse codec by its full name, :mod:`.sparse`: ``"sparse"`` becomes
+    ``sparse-64of4096-2bit``), else raise ``ValueError`` listing the choices."""
+    if sparse.is_sparse(codec):
+        return sparse.parse(codec).name
     if codec not in CODECS:
         raise ValueError(f"unknown exchange codec {codec!r}; choose one of {', '.join(CODECS)}")
+    return codec
+
+
+def reduced_codec(codec: str, *, stored: bool = True) -> str:
+    """The codec a round's mean passes through: the round's own, but for a sparse round ``int8`` when it is
+    stored as reduced shards (a mean of N sparse contributions is dense; int8 keeps a sharded sparse round
+    within the bytes of an int8 one) and ``fp32`` (untouched) when every replica sums the contributions
+    itself (direct), docs/exchange.md "Sparse pseudo-gradients"."""
+    if sparse.is_sparse(codec):
+        return "int8" if stored else "fp32"
     return codec
 
 
@@ -100,6 +115,8 @@ def encode_values(values: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
     """
     validate_codec(codec)
     values = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    if sparse.is_sparse(codec):
+        return sparse.encode(values, sparse.parse(codec))
     if codec == "fp32":
         return {"values": values.contiguous()}
     if codec == "bf16":
@@ -126,6 +143,8 @@ def decode_values(tensors: Mapping[str, torch.Tensor], codec: str, numel: int) -
     (names, dtypes, 1-D lengths), and for ``int8`` scales that are negative, NaN or infinite.
     """
     validate_codec(codec)
+    if sparse.is_sparse(codec):
+        return sparse.decode(tensors, sparse.parse(codec), numel)
     if codec in ("fp32", "bf16"):
         want = torch.float32 if codec == "fp32" else torch.bfloat16
         v = tensors.get("values")
@@ -158,6 +177,8 @@ def payload_bytes(codec: str, numel: int) -> int:
     validate_codec(codec)
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
+    if sparse.is_sparse(codec):
+        return sparse.payload_bytes(sparse.parse(codec), numel)
     if codec == "fp32":
         return 4 * numel
     if codec == "bf16":

@@ -49,6 +49,7 @@ from diloco_serverless.exchange.codec import (
     encode_values,
     max_object_bytes,
     pack,
+    reduced_codec,
 )
 from diloco_serverless.exchange.polling import Backoff
 from diloco_serverless.exchange.quorum import Quorum, ReadyMarker
@@ -109,7 +110,8 @@ class HierarchicalRound:
         self.have: dict[tuple[int, int, int], torch.Tensor] = {}  # (level, group, shard) -> values
         self.reduced_shards: list[int] = []
         largest = max((b - a for a, b in self.bounds), default=0)
-        self.copies = reduced_copies(n, max_object_bytes(self.ref.codec, largest))
+        self.top_codec = reduced_codec(self.ref.codec)  # the reduced shards' (int8 in a sparse round)
+        self.copies = reduced_copies(n, max_object_bytes(self.top_codec, largest))
         self.takeovers: list[str] = []
         self.wait_s = 0.0
 
@@ -144,7 +146,7 @@ class HierarchicalRound:
 
     def _header(self, level: int, k: int, j: int) -> ShardHeader:
         a, b = self.bounds[j]
-        kind, who, codec = ("reduced", None, self.ref.codec) if level == self.depth else ("partial", k, "fp32")
+        kind, who, codec = ("reduced", None, self.top_codec) if level == self.depth else ("partial", k, "fp32")
         return ShardHeader(self.run_id, self.r, j, kind, codec, b - a, who, self.ref.dtype, self.ref.shape,  # type: ignore[arg-type]
                            list(self.quorum.participants) if kind == "reduced" else None)
 

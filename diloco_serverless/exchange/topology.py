@@ -13,6 +13,9 @@ before anything is reduced (docs/exchange.md, "Hierarchical exchange").
   Direct and flat cut each replica's share into :func:`split_for` pieces when one object would
   exceed the store's part size (S3: one round trip instead of a multipart upload's three; GCS: many
   connections instead of one upload's single stream).
+- a compressed codec (``sparse``, docs/exchange.md "Sparse pseudo-gradients"): under ``auto``, ``direct`` (an
+  all-gather of the N small payloads) while its N objects per replica weigh no more than an ``int8`` flat
+  round's bytes (:func:`compressed_direct`), else the protocol an int8 round would use.
 - ``hierarchical``: a tree of L levels (:func:`levels`: 2 below :data:`THREE_LEVELS_FROM` replicas,
   3 from there) with branching ``c = ceil(N^(1/L))`` (:func:`branching`); S = c shards. Groups of c
   consecutive ranks sum each shard (a ``partial``); with 3 levels, groups of c groups sum those
@@ -42,7 +45,8 @@ THREE_LEVELS_FROM = 128
 AUTO_DIRECT_EXTRA_BYTES = 32 << 20
 
 
-def resolve(topology: str, world_size: int, payload_bytes: int | None = None) -> Protocol:
+def resolve(topology: str, world_size: int, payload_bytes: int | None = None, *,
+            compressed: tuple[int, int] | None = None) -> Protocol:
     """The protocol a round of ``world_size`` replicas uses under ``topology`` (flat, hierarchical,
     direct, auto), for a tensor of ``payload_bytes`` encoded bytes (``None``: not known yet).
 
@@ -52,12 +56,18 @@ def resolve(topology: str, world_size: int, payload_bytes: int | None = None) ->
     bytes cost less than the round trips it saves (:data:`AUTO_DIRECT_EXTRA_BYTES`); flat for larger
     tensors there; hierarchical from :data:`AUTO_HIERARCHICAL_FROM` replicas on. Every replica derives
     the same answer from the same config and tensor size.
+
+    ``compressed`` (a sparse codec's payload bytes, and the same tensor's ``int8`` payload bytes): ``auto``
+    picks ``direct`` whenever :func:`compressed_direct` says it moves no more bytes than an int8 flat round,
+    at any N; otherwise it picks as above.
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"exchange topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
     if topology != "auto":
         return cast(Protocol, topology)  # flat, hierarchical, direct: the protocol of the same name
     if world_size == 2:
+        return "direct"
+    if compressed is not None and compressed_direct(*compressed, world_size):
         return "direct"
     if world_size >= AUTO_HIERARCHICAL_FROM:
         return "hierarchical"
@@ -72,6 +82,20 @@ def direct_extra_bytes(payload_bytes: int, world_size: int) -> int:
     ((N-1)(N-2) - 1) P / N (negative at N = 2, where direct is the lighter one)."""
     n = world_size
     return ((n - 1) * (n - 2) - 1) * payload_bytes // n
+
+
+def sharded_round_bytes(payload_bytes: int, world_size: int) -> int:
+    """Bytes a flat (sharded) round moves per replica for ``payload_bytes`` per replica: P + P/N up,
+    2P(N-1)/N down (the byte bound, which a hierarchical round's fp32 partials only exceed)."""
+    n = world_size
+    return payload_bytes + payload_bytes // n + 2 * payload_bytes * (n - 1) // n
+
+
+def compressed_direct(payload_bytes: int, dense_bytes: int, world_size: int) -> bool:
+    """Whether a direct round of a compressed codec (``payload_bytes`` per replica: P_s up, (N-1) P_s down)
+    moves no more bytes per replica than a flat round of ``dense_bytes`` (the same tensor in int8) would:
+    ``N * P_s <= P8 (1 + 1/N + 2 (N-1)/N)``. At the sparse defaults (P8 / P_s = 36) that holds to N = 107."""
+    return world_size * payload_bytes <= sharded_round_bytes(dense_bytes, world_size)
 
 
 def levels(world_size: int) -> int:

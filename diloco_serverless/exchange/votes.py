@@ -47,6 +47,7 @@ from diloco_serverless.exchange.codec import (
     decode_values,
     encode_values,
     pack,
+    reduced_codec,
     roundtrip,
     unpack,
 )
@@ -65,6 +66,8 @@ from diloco_serverless.exchange.quorum import (
     check_moved_on,
     grace_s,
 )
+from diloco_serverless.exchange.robust import guarded_sum
+from diloco_serverless.exchange.sparse import is_sparse
 from diloco_serverless.run.layout import contrib_key, spread_count, vote_key
 from diloco_serverless.store.errors import ObjectNotFound
 
@@ -205,10 +208,15 @@ def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torc
     for q in participants:
         values = entries[q].values
         assert values is not None
-        acc += values
+        if not is_sparse(ref.codec):
+            acc += values
+    if is_sparse(ref.codec):  # through the robust-aggregation guard (exchange/robust.py)
+        acc = guarded_sum([(q, v) for q in participants if (v := entries[q].values) is not None],
+                          what=f"round {me.round}")
     acc /= len(participants)
     # through the codec piece by piece, as the pieces were encoded (and as a quorum's direct round does)
-    return participants, torch.cat([roundtrip(acc[a:b], ref.codec) for a, b in shard_bounds(ref.numel, ref.split)])
+    codec = reduced_codec(ref.codec, stored=False)
+    return participants, torch.cat([roundtrip(acc[a:b], codec) for a, b in shard_bounds(ref.numel, ref.split)])
 
 
 class VotedRound:

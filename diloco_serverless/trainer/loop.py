@@ -88,6 +88,7 @@ from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.checkpoint import final_exists, write_final
 from diloco_serverless.trainer.deadline import AttemptDeadline
 from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
+from diloco_serverless.trainer.error_feedback import gather_buffers, restore_buffers
 from diloco_serverless.trainer.fsdp import (
     FSDPReplica,
     full_state_dict,
@@ -345,6 +346,7 @@ class ReplicaTrainer:
     def _build_manager(self, storage_options: dict[str, Any] | None, extra: dict[str, Any]) -> ObjectStoreManager:
         ex = self.cfg.exchange
         opts: dict[str, Any] = {"takeover_timeout_s": ex.takeover_timeout_s, "topology": ex.topology,
+                                "feedback_decay": ex.feedback_decay,
                                 "transfer": transfer_policy(self.cfg), **extra}
         if ex.poll_interval_s is not None:
             opts.setdefault("poll_interval_s", ex.poll_interval_s)
@@ -362,7 +364,7 @@ class ReplicaTrainer:
             run_id=run_id,
             min_replicas=self.cfg.effective_min_replicas,
             fragments=self.fragments,
-            codec=ex.codec,
+            codec=ex.wire_codec,
             error_feedback=ex.error_feedback,
             timeout_s=ex.round_timeout_s,
             straggler_timeout_s=ex.straggler_timeout_s,
@@ -460,9 +462,13 @@ class ReplicaTrainer:
                         "so the resume stays exact", self.rank, latest, latest)
         return retrain
 
-    def _replica_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _replica_state(
+        self, buffers: dict[str, torch.Tensor] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What this replica alone knows and a restart would otherwise lose: the inner optimizer's
-        moments and step counts, its hyper-parameters, the TAID scheduler, the RNG, codec residuals."""
+        moments and step counts, its hyper-parameters, the TAID scheduler, the RNG, and the error-feedback
+        ``buffers`` (:func:`~diloco_serverless.trainer.error_feedback.gather_buffers`, a collective call with
+        several local processes; ``None``: this process's own)."""
         opt = gather_optimizer_state(self.local, self.inner) if self.fsdp else self.inner.state_dict()  # type: ignore[arg-type]
         tensors: dict[str, torch.Tensor] = {"rng/torch": torch.get_rng_state()}
         scalars: dict[str, dict[str, Any]] = {}
@@ -474,9 +480,7 @@ class ReplicaTrainer:
                     scalars.setdefault(str(idx), {})[name] = value
         if torch.cuda.is_available() and self.device.type == "cuda":
             tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device)
-        residuals = getattr(getattr(self.manager, "exchange", None), "residuals", None)
-        for key, value in (residuals() if callable(residuals) else {}).items():
-            tensors[f"residual/{key}"] = value
+        tensors.update(buffers if buffers is not None else gather_buffers(self.manager, None, self.fragments))
         at, loss = torch.stack([self._diverged_at.double(), self._diverged_loss.double()]).tolist()
         doc = {
             "param_groups": opt["param_groups"],
@@ -510,9 +514,7 @@ class ReplicaTrainer:
         torch.set_rng_state(tensors["rng/torch"])
         if "rng/cuda" in tensors and torch.cuda.is_available() and self.device.type == "cuda":
             torch.cuda.set_rng_state(tensors["rng/cuda"], self.device)
-        load_residuals = getattr(getattr(self.manager, "exchange", None), "load_residuals", None)
-        if callable(load_residuals):
-            load_residuals({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("residual/")})
+        restore_buffers(self.manager, tensors, self.local)
         if self.taid is not None and doc.get("taid") is not None:
             self.taid.load_state_dict(doc["taid"])
         diverged = doc.get("diverged")
@@ -830,11 +832,12 @@ class ReplicaTrainer:
         start = time.monotonic()
         round_ = self.manager.current_step() - 1
         tensors, meta = self.rep.state_tensors()  # every local process: the outer momentum is gathered
-        own_state = self._replica_state() if self.fsdp else None  # FSDP: the inner AdamW state is gathered
+        buffers = gather_buffers(self.manager, self.local, self.fragments)  # every local process: its slice's
+        own_state = self._replica_state(buffers) if self.fsdp else None  # FSDP: the inner AdamW state is gathered
         if not self.leader:  # the global state is then whole on every local process: local rank 0 saves it
             self._saved_round = round_  # as the leader does: _continue_later's collective calls must match
             return
-        own, doc = own_state or self._replica_state()
+        own, doc = own_state or self._replica_state(buffers)
         ckpt.save_replica_state(self.store, round_, self.rank, own, doc, self.run_key)
         ckpt.save_checkpoint(
             self.store,

@@ -1,0 +1,102 @@
+"""Convergence at equal tokens: dense fp32 DiLoCo against SparseLoCo-style sparse pseudo-gradients at
+several densities x bits (N = 4, H = 30), on the tiny model, with benchmarks/convergence.py's machinery.
+
+Run (from the repo root, venv active; about ten minutes on a shared 2-core machine):
+
+    python benchmarks/sparse_convergence.py                 # warm start W=100, T=240 inner steps, H=30
+    python benchmarks/sparse_convergence.py --steps 120 --settings 64of4096-2bit   # one sparse arm, shorter
+
+Every arm starts from the same warm-start checkpoint (W steps of sync data parallel from random init, as
+convergence.py's warm table) with the same data, and runs T inner steps on each of N = 4 replicas (the real
+replica code in threads over a file:// store): the same tokens. Arms:
+
+  sync DP           every step averages the 4 workers' gradients
+  DiLoCo fp32       H = 30, outer Nesterov SGD (lr 0.7, momentum 0.9): the dense baseline
+  sparse k of c, b  exchange.codec = "sparse" with k of every c values at b bits, error feedback with decay
+                    0.95, outer SGD lr 1 without momentum (examples/sparseloco.toml)
+
+Eval loss is the final global model's mean lm_ce on the held-out batches; bytes are the replicas' own
+exchange counters (sum over replicas and rounds). Prints a table and writes
+benchmarks/results/sparse_convergence.json. Benchmarks never assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import convergence as conv  # noqa: E402
+
+from diloco_serverless.trainer.model import build_model, count_parameters  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "sparse_convergence.json"
+SPARSELOCO = ["exchange.codec=sparse", "exchange.error_feedback=true", "exchange.feedback_decay=0.95",
+              "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false"]
+DEFAULT_SETTINGS = "16of4096-2bit,64of4096-2bit,256of4096-2bit,16of4096-4bit,64of4096-4bit,256of4096-4bit"
+
+
+def _sparse(setting: str) -> list[str]:
+    k, rest = setting.split("of")
+    chunk, bits = rest.split("-")
+    return [*SPARSELOCO, f"exchange.sparse.k={int(k)}", f"exchange.sparse.chunk={int(chunk)}",
+            f"exchange.sparse.bits={int(bits.removesuffix('bit'))}"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=240, help="T: inner steps of every arm")
+    ap.add_argument("--sync-every", type=int, default=30, help="H")
+    ap.add_argument("--warm-start-steps", type=int, default=100, help="W")
+    ap.add_argument("--settings", default=DEFAULT_SETTINGS, help="sparse arms: kofchunk-bbit, comma-separated")
+    ap.add_argument("--no-dp", action="store_true", help="skip the sync DP arm")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    setup = replace(conv.QUICK, steps=args.steps, sync_every=args.sync_every, warm_steps=args.warm_start_steps)
+    rounds = setup.steps // setup.sync_every
+    res: dict[str, Any] = {"setup": {"N": conv.N, "T": setup.steps, "H": setup.sync_every, "W": setup.warm_steps,
+                                     "batch": setup.batch, "seq_len": setup.seq_len},
+                           "params": count_parameters(build_model(conv._config(setup, []).model, 0)[0]),
+                           "arms": {}}
+    t0 = time.monotonic()
+    start, loss, wall = conv.warm_start(setup)
+    res["warm_start"] = {"eval_loss": loss, "wall_s": wall}
+    print(f"warm start ({setup.warm_steps} sync DP steps): eval {loss:.4f}", flush=True)
+    arms: list[tuple[str, Any]] = []
+    if not args.no_dp:
+        arms.append(("sync DP", lambda: conv.run_sync_dp(setup, conv.N, start)))
+    with tempfile.TemporaryDirectory(prefix="diloco-sparse-conv-") as tmp:
+        root = Path(tmp)
+        arms.append(("DiLoCo fp32", lambda: conv.run_diloco(setup, setup.sync_every, rounds, [], root, "dense",
+                                                            start)))
+        for i, s in enumerate(x for x in args.settings.split(",") if x):
+            arms.append((f"sparse {s}", lambda s=s, i=i: conv.run_diloco(setup, setup.sync_every, rounds,
+                                                                         _sparse(s), root, f"sparse{i}", start)))
+        for name, job in arms:
+            res["arms"][name] = job()
+            print(f"{name}: {json.dumps(res['arms'][name])}", flush=True)
+    base = res["arms"]["DiLoCo fp32"]
+    print(f"\nN={conv.N}, H={setup.sync_every}, T={setup.steps} inner steps from a {setup.warm_steps}-step warm "
+          f"start, {res['params']:,} parameters (shared 2-core machine; total {time.monotonic() - t0:.0f} s)")
+    print(f"{'arm':26} {'eval loss':>9} {'vs fp32 DiLoCo':>14} {'MB moved':>9} {'vs fp32 bytes':>13} {'wall s':>7}")
+    for name, r in res["arms"].items():
+        print(f"{name:26} {r['eval_loss']:>9.4f} {r['eval_loss'] / base['eval_loss']:>13.4f}x "
+              f"{r['bytes_moved'] / 2**20:>9.2f} {r['bytes_moved'] / base['bytes_moved']:>12.4f}x {r['wall_s']:>7.1f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

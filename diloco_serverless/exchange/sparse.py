@@ -1,0 +1,249 @@
+"""The ``sparse`` pseudo-gradient codec: chunked top-k, 2/4/8-bit values, packed indices.
+
+SparseLoCo (arXiv 2508.15706) and Covenant-72B (arXiv 2603.08163) send, of every chunk of ``chunk``
+consecutive values, only the ``k`` largest in magnitude: each as its index in the chunk
+(``ceil(log2(chunk))`` bits: 12 in a 4,096 chunk) and a ``bits``-bit code (a sign bit and
+``bits - 1`` magnitude bits) of one per-chunk fp32 scale. At the defaults (64 of 4,096, 2 bits) that
+is ``64 * (12 + 2) + 32`` bits per 4,096 values: **0.227 bits per parameter**, 141x fewer than fp32
+and 36x fewer than ``int8``. What is not sent is not lost: the replica keeps it in its
+error-feedback buffer (``exchange.error_feedback``, decayed by ``exchange.sparse.feedback_decay``)
+and sends it in a later round.
+
+A codec is named by its parameters, ``sparse-<k>of<chunk>-<bits>bit`` (``"sparse"`` alone is the
+default, :data:`DEFAULT`), so the name in every object's signed header and every ready marker fixes
+the layout: replicas configured differently disagree before anything is summed.
+
+The payload is two tensors, in the same signed safetensors envelope as every other codec
+(:mod:`.codec`): ``packed`` (uint8, the fields of every chunk one after another, each field
+``index << bits | sign << (bits - 1) | magnitude``, least significant bit first, zero-padded to a whole
+byte) and ``scales`` (fp32, one per chunk: the chunk's largest magnitude). A value decodes to
+``sign * (magnitude + 1) / 2**(bits - 1) * scale``. A chunk holds ``min(k, its length)`` entries
+(the last chunk may be shorter than ``chunk``), their indices strictly increasing.
+
+:func:`decode` is strict: a wrong tensor name, dtype or length, a scale that is negative or not
+finite, indices that are not strictly increasing or fall outside their chunk, or non-zero padding
+bits raise ``ValueError`` (the exchange turns that into a ``CorruptObjectError`` naming the key).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DEFAULT",
+    "SparseSpec",
+    "bits_per_value",
+    "decode",
+    "encode",
+    "is_sparse",
+    "parse",
+    "payload_bytes",
+]
+
+#: Bits of a value code that may be chosen (``exchange.sparse.bits``).
+VALUE_BITS = (2, 4, 8)
+#: Chunk sizes allowed: powers of two from 16 to 65,536 (indices of 4 to 16 bits).
+MIN_CHUNK, MAX_CHUNK = 16, 1 << 16
+_NAME = re.compile(r"sparse-([0-9]{1,6})of([0-9]{1,6})-([0-9])bit")
+_BLOCK = 1 << 18  # entries packed or unpacked at a time (bounds the temporaries; a multiple of 8)
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """``k`` of every ``chunk`` values kept, each with a ``bits``-bit code."""
+
+    k: int = 64
+    chunk: int = 4096
+    bits: int = 2
+
+    def __post_init__(self) -> None:
+        if not (MIN_CHUNK <= self.chunk <= MAX_CHUNK and self.chunk & (self.chunk - 1) == 0):
+            raise ValueError(f"exchange.sparse.chunk must be a power of two from {MIN_CHUNK} to {MAX_CHUNK}, "
+                             f"got {self.chunk}")
+        if not 1 <= self.k <= self.chunk:
+            raise ValueError(f"exchange.sparse.k must be between 1 and the chunk size {self.chunk}, got {self.k}")
+        if self.bits not in VALUE_BITS:
+            raise ValueError(f"exchange.sparse.bits must be one of {', '.join(map(str, VALUE_BITS))}, "
+                             f"got {self.bits}")
+
+    @property
+    def name(self) -> str:
+        """The codec name that fixes this layout: ``sparse-<k>of<chunk>-<bits>bit``."""
+        return f"sparse-{self.k}of{self.chunk}-{self.bits}bit"
+
+    @property
+    def index_bits(self) -> int:
+        return int(math.log2(self.chunk))
+
+    @property
+    def field_bits(self) -> int:
+        """Bits of one kept value: its index and its code."""
+        return self.index_bits + self.bits
+
+    @property
+    def density(self) -> float:
+        return self.k / self.chunk
+
+
+DEFAULT = SparseSpec()
+
+
+def is_sparse(codec: str) -> bool:
+    """Whether ``codec`` names the sparse codec (``"sparse"`` or ``sparse-<k>of<chunk>-<bits>bit``)."""
+    return codec == "sparse" or codec.startswith("sparse-")
+
+
+def parse(codec: str) -> SparseSpec:
+    """The layout a sparse codec name fixes; ``ValueError`` saying what is wrong for a malformed one."""
+    if codec == "sparse":
+        return DEFAULT
+    m = _NAME.fullmatch(codec)
+    if m is None:
+        raise ValueError(f"sparse codec name {codec!r} is not of the form sparse-<k>of<chunk>-<bits>bit "
+                         "(e.g. sparse-64of4096-2bit), nor 'sparse'")
+    return SparseSpec(int(m.group(1)), int(m.group(2)), int(m.group(3)))
+
+
+def _entries(spec: SparseSpec, numel: int) -> tuple[int, int, int]:
+    """(chunks, entries kept, entries kept in the last chunk) of a vector of ``numel`` values."""
+    chunks = -(-numel // spec.chunk)
+    if chunks == 0:
+        return 0, 0, 0
+    last = min(spec.k, numel - (chunks - 1) * spec.chunk)
+    return chunks, (chunks - 1) * spec.k + last, last
+
+
+def payload_bytes(spec: SparseSpec, numel: int) -> int:
+    """Exact bytes of tensor data in an object of ``numel`` values."""
+    chunks, entries, _ = _entries(spec, numel)
+    return -(-entries * spec.field_bits // 8) + 4 * chunks
+
+
+def bits_per_value(spec: SparseSpec, numel: int) -> float:
+    """Payload bits per value of a vector of ``numel`` values (0.227 at the defaults for large vectors)."""
+    return 8 * payload_bytes(spec, numel) / max(1, numel)
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def encode(values: torch.Tensor, spec: SparseSpec) -> dict[str, torch.Tensor]:
+    """Compress a flat fp32 CPU vector: ``{"packed": uint8, "scales": fp32}``.
+
+    Raises ``ValueError`` when the input holds inf/NaN (a scale cannot represent them).
+    """
+    values = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    n = values.numel()
+    chunks, _, last = _entries(spec, n)
+    if chunks == 0:
+        return {"packed": torch.empty(0, dtype=torch.uint8), "scales": torch.empty(0, dtype=torch.float32)}
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("sparse codec got inf/NaN values; they cannot be quantised — check the replica's loss")
+    full = n // spec.chunk
+    idx_parts, val_parts = [], []
+    if full:
+        blocks = values[: full * spec.chunk].view(full, spec.chunk)
+        idx = blocks.abs().topk(spec.k, dim=1, sorted=False).indices.sort(dim=1).values
+        idx_parts.append(idx)
+        val_parts.append(blocks.gather(1, idx))
+    if full < chunks:  # a last, shorter chunk
+        tail = values[full * spec.chunk :]
+        idx = tail.abs().topk(last, sorted=False).indices.sort().values
+        idx_parts.append(idx.view(1, -1))
+        val_parts.append(tail[idx].view(1, -1))
+    scales = torch.cat([v.abs().amax(dim=1) for v in val_parts])
+    levels = 1 << (spec.bits - 1)
+    codes, row = [], 0
+    for v in val_parts:
+        s = scales[row : row + v.shape[0], None]
+        mag = torch.where(s > 0, v.abs() / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(v))
+        m = (mag * levels).round_().sub_(1).clamp_(0, levels - 1).to(torch.int64)
+        codes.append(((v < 0).to(torch.int64) << (spec.bits - 1)) | m)
+        row += v.shape[0]
+    fields = torch.cat([((i.to(torch.int64) << spec.bits) | c).reshape(-1) for i, c in zip(idx_parts, codes)])
+    return {"packed": _pack_bits(fields, spec.field_bits), "scales": scales.contiguous()}
+
+
+def _pack_bits(fields: torch.Tensor, width: int) -> torch.Tensor:
+    """``fields`` (int64, each < 2**width) as a bit stream, least significant bit first, zero-padded."""
+    shifts = torch.arange(width, dtype=torch.int64)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int64)
+    out = []
+    for start in range(0, fields.numel(), _BLOCK):
+        bits = ((fields[start : start + _BLOCK, None] >> shifts) & 1).reshape(-1)
+        pad = (-bits.numel()) % 8  # only the last block can need padding (_BLOCK is a multiple of 8)
+        if pad:
+            bits = torch.nn.functional.pad(bits, (0, pad))
+        out.append((bits.view(-1, 8) * weights).sum(dim=1).to(torch.uint8))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.uint8)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def decode(tensors: Mapping[str, torch.Tensor], spec: SparseSpec, numel: int) -> torch.Tensor:
+    """Inverse of :func:`encode`: a flat fp32 vector of ``numel`` values (zero where nothing was kept).
+
+    Raises ``ValueError`` saying what is wrong when the tensors are not exactly what :func:`encode`
+    writes for ``numel`` values (see the module docstring).
+    """
+    chunks, entries, last = _entries(spec, numel)
+    nbytes = -(-entries * spec.field_bits // 8)
+    packed, scales = tensors.get("packed"), tensors.get("scales")
+    if (
+        set(tensors) != {"packed", "scales"} or packed is None or scales is None
+        or packed.dtype != torch.uint8 or tuple(packed.shape) != (nbytes,)
+        or scales.dtype != torch.float32 or tuple(scales.shape) != (chunks,)
+    ):
+        described = ", ".join(f"{n!r}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                              for n, t in sorted(tensors.items()))
+        raise ValueError(f"{spec.name} object of {numel} values must hold exactly 'packed' (uint8, {nbytes}) and "
+                         f"'scales' (fp32, {chunks}), got {{{described}}}")
+    if chunks == 0:
+        return torch.zeros(0, dtype=torch.float32)
+    bad = int((~(torch.isfinite(scales) & (scales >= 0))).sum())
+    if bad:
+        raise ValueError(f"{bad} of its {chunks} chunk scales are NaN, infinite or negative")
+    fields = _unpack_bits(packed, spec.field_bits, entries)
+    idx = fields >> spec.bits
+    code = fields & ((1 << spec.bits) - 1)
+    # indices: strictly increasing inside each chunk, and inside the chunk (the last one may be shorter)
+    full = numel // spec.chunk
+    rows = [(idx[: full * spec.k].view(full, spec.k), spec.chunk)] if full else []
+    if full < chunks:
+        rows.append((idx[full * spec.k :].view(1, -1), numel - full * spec.chunk))
+    for r, length in rows:
+        if r.shape[1] > 1 and not bool((r[:, 1:] > r[:, :-1]).all()):
+            raise ValueError("its indices are not strictly increasing inside every chunk (repeated or unsorted)")
+        if bool((r[:, -1] >= length).any()):
+            raise ValueError(f"an index points past the end of its chunk ({length} values)")
+    levels = 1 << (spec.bits - 1)
+    counts = torch.full((chunks,), spec.k, dtype=torch.int64)
+    counts[-1] = last
+    chunk_of = torch.repeat_interleave(torch.arange(chunks), counts)
+    mag = ((code & (levels - 1)) + 1).to(torch.float32) / levels
+    sign = 1.0 - 2.0 * (code >> (spec.bits - 1)).to(torch.float32)
+    out = torch.zeros(numel, dtype=torch.float32)
+    out[chunk_of * spec.chunk + idx] = sign * mag * scales[chunk_of]
+    return out
+
+
+def _unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """``count`` fields of ``width`` bits from :func:`_pack_bits`'s stream (int64); ``ValueError`` when the
+    padding bits after the last field are not zero."""
+    shifts8 = torch.arange(8, dtype=torch.uint8)
+    weights = torch.tensor([1 << i for i in range(width)], dtype=torch.int64)
+    per = _BLOCK * width // 8  # bytes of one block of fields
+    out = []
+    for start in range(0, packed.numel(), per):
+        bits = ((packed[start : start + per, None] >> shifts8) & 1).reshape(-1)
+        n = min(_BLOCK, count - (start // per) * _BLOCK)
+        if bool(bits[n * width :].any()):
+            raise ValueError("its padding bits after the last value are not zero")
+        out.append((bits[: n * width].view(n, width).to(torch.int64) * weights).sum(dim=1))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
