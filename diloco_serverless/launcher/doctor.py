@@ -66,6 +66,9 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
 CHAIN_RANK = 1
 
 
+_FIRST_RUN_DOC = 'docs/executors.md, "First run on a real account"'
+
+
 @dataclass
 class Check:
     """One row of the doctor's table: ``ok`` True (held), False (did not) or None (not reached)."""
@@ -94,8 +97,8 @@ class DoctorReport:
         lines = [f"diloco doctor: {self.executor}, probe run {self.run_url}", "",
                  f"{'check':<{width}}  {'result':<11}  detail", f"{'-' * width}  {'-' * 11}  {'-' * 40}"]
         lines += [f"{c.name:<{width}}  {mark[c.ok]:<11}  {c.detail}" for c in self.checks]
-        lines += ["", "all checks held" if self.ok else "some checks did not hold: see docs/executors.md, "
-                  "\"First run on a real account\", and send this table with your report"]
+        lines += ["", "all checks held" if self.ok else
+                  f"some checks did not hold: see {_FIRST_RUN_DOC}, and send this table with your report"]
         return "\n".join(lines)
 
 
