@@ -342,6 +342,17 @@ class OuterConfig(_Section):
     lr: float = Field(0.7, gt=0.0, le=10.0, description="Outer SGD learning rate (DiLoCo default 0.7).")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Outer SGD momentum (DiLoCo default 0.9).")
     nesterov: bool = Field(True, description="Nesterov momentum (DiLoCo default true).")
+    delay: int = Field(
+        0, ge=0, le=1,
+        description="1: overlap each round's exchange with the next round's inner steps; the averaged update is "
+        "applied one round late (one-step-delay DiLoCo, arXiv 2502.12996; docs/replica.md). Needs "
+        "exchange.fragments = 1, exchange.fragment_sync_delay = 0 and parallel.devices = 1.",
+    )
+    eager: bool = Field(
+        True,
+        description="With delay = 1: start each round from the new global parameters plus this replica's own "
+        "progress of the round before (eager); false starts from the global parameters alone.",
+    )
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> OuterConfig:
@@ -713,6 +724,12 @@ class RunConfig(_Section):
             raise ValueError(
                 f"exchange.fragment_sync_delay ({self.exchange.fragment_sync_delay}) must be smaller than "
                 f"inner.sync_every / exchange.fragments ({h // f})"
+            )
+        if self.outer.delay and (f != 1 or self.exchange.fragment_sync_delay or self.parallel.devices > 1):
+            raise ValueError(
+                "outer.delay = 1 overlaps whole-model rounds on one device: it needs exchange.fragments = 1, "
+                f"exchange.fragment_sync_delay = 0 and parallel.devices = 1 (got {f}, "
+                f"{self.exchange.fragment_sync_delay}, {self.parallel.devices}); set outer.delay = 0 or change those"
             )
         if self.parallel.devices > 1 and self.exchange.error_feedback:
             raise ValueError(

@@ -98,6 +98,7 @@ from diloco_serverless.trainer.fsdp import (
 from diloco_serverless.trainer.local_group import LocalGroup
 from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
 from diloco_serverless.trainer.model import autocast, build_model, compile_model
+from diloco_serverless.trainer.overlap import DelayedObjectStoreManager, apply_last_update, enable_delay, shown_record
 from diloco_serverless.trainer.reports import ReportWriter
 from diloco_serverless.trainer.sliced_manager import SlicedManager
 from diloco_serverless.trainer.sliced_outer import shard_outer_optimizers
@@ -255,6 +256,8 @@ class ReplicaTrainer:
             nesterov=cfg.outer.nesterov,
         )
         keep_global_state_fp32(self.rep, every_fragment=self.fsdp)
+        if cfg.outer.delay:  # one-step-delay rounds: trainer/overlap.py
+            enable_delay(self.rep, eager=cfg.outer.eager)
         if self.fsdp:  # the exchange slice, the global parameters and the outer momentum are the shards
             assert local is not None
             self.rep = FSDPReplica(self.rep, local)
@@ -354,7 +357,7 @@ class ReplicaTrainer:
                         presliced=self.cfg.parallel.strategy == "fsdp")  # FSDP: the shards are the slice
             manager_cls: type[ObjectStoreManager] = SlicedManager
         else:
-            manager_cls = ObjectStoreManager
+            manager_cls = DelayedObjectStoreManager if self.cfg.outer.delay else ObjectStoreManager
         return manager_cls(
             store_url,
             self.rank,
@@ -477,6 +480,7 @@ class ReplicaTrainer:
         residuals = getattr(getattr(self.manager, "exchange", None), "residuals", None)
         for key, value in (residuals() if callable(residuals) else {}).items():
             tensors[f"residual/{key}"] = value
+        tensors.update(getattr(self.manager, "own_state", dict)())  # outer.delay: the eager start
         at, loss = torch.stack([self._diverged_at.double(), self._diverged_loss.double()]).tolist()
         doc = {
             "param_groups": opt["param_groups"],
@@ -513,6 +517,8 @@ class ReplicaTrainer:
         load_residuals = getattr(getattr(self.manager, "exchange", None), "load_residuals", None)
         if callable(load_residuals):
             load_residuals({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("residual/")})
+        if callable(load_own := getattr(self.manager, "load_own_state", None)):
+            load_own(tensors)
         if self.taid is not None and doc.get("taid") is not None:
             self.taid.load_state_dict(doc["taid"])
         diverged = doc.get("diverged")
@@ -582,9 +588,11 @@ class ReplicaTrainer:
             raise record.failure
         if committed:
             self.trained += 1
+            if self.manager.current_step() >= self.total_rounds:  # outer.delay: the last round's average
+                apply_last_update(self.rep)
         else:  # the round failed on this replica: the others may have moved on and pruned
             self.heal()
-        self._after_round(round_, seg, record if record and record.round == round_ else None, committed)
+        self._after_round(round_, seg, shown_record(self.manager, round_, record), committed)
 
     def _may_be_behind(self) -> bool:
         """Whether the others may have finished the next round without this replica, so that the store
@@ -600,7 +608,8 @@ class ReplicaTrainer:
         last = self.manager.history[-1] if self.manager.history else None
         behind = self.manager.retrain_own_rounds or not (
             last is not None and last.round == self.manager.current_step() - 1 and not last.replayed
-            and not last.late and last.error is None and last.abstained is None and self.rank in last.participants)
+            and not last.late and last.error is None and last.abstained is None
+            and (self.rank in last.participants or getattr(self.manager, "in_flight", _never)(last.round)))
         if self.local is not None:  # one decision for the replica: local rank 0's
             behind = bool(self.local.leader_int(int(behind)))
         return behind
@@ -902,6 +911,7 @@ class ReplicaTrainer:
                            self.rank, round_, one_line(str(exc)))
 
     def _finish(self) -> TrainResult:
+        apply_last_update(self.rep)  # outer.delay, when the last round was replayed or loaded: once
         self.rep.reset_to_global()
         eval_loss = self.last_eval
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
@@ -951,6 +961,10 @@ class ReplicaTrainer:
         if writer is not None and not writer.close(timeout_s=self.store.retry.timeout_s):
             logger.warning("rank %d: %d heartbeat or metrics writes still pending after %.0f s",
                            self.rank, writer.pending(), self.store.retry.timeout_s)
+
+
+def _never(_round: int) -> bool:
+    return False
 
 
 #: heartbeats that end an attempt: the last report, waited for
