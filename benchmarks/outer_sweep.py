@@ -190,8 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", nargs="+", default=list(DEFAULT_GRID),
                         help="outer settings 'lr,momentum' with an 'n' suffix for Nesterov, e.g. 0.7,0.9n")
     parser.add_argument("--delay", type=int, nargs="+", default=[0], choices=(0, 1))
+    parser.add_argument("--dp-from", type=Path, default=None,
+                        help="reuse the DP curves of an earlier run's JSON (same --steps; DP does not depend on H)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    earlier: dict[int, list[tuple[int, float]]] = {}
+    if args.dp_from is not None:
+        old = json.loads(args.dp_from.read_text())
+        if old["steps"] == args.steps:
+            earlier = {row["replicas"]: [tuple(c) for c in row["dp_curve"]] for row in old["rows"]}
     torch.set_num_threads(1)
     grid = [Outer.parse(g) for g in args.grid]
     rows: list[dict[str, Any]] = []
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.replicas:
         dp_sim = Sim(n, min(args.sync_every), args.steps)
         t0 = time.monotonic()
-        dp = run_dp(dp_sim, n, args.steps, min(args.sync_every))
+        dp = earlier.get(n) or run_dp(dp_sim, n, args.steps, min(args.sync_every))
         dp_final = dp[-1][1]
         print(f"{n:>2}  DP {'':>9} {'':>5} {dp_final:>8.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
         for h in args.sync_every:
