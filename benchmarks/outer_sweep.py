@@ -121,7 +121,7 @@ def run_dp(sim: Sim, replicas: int, steps: int, every: int) -> list[tuple[int, f
 
 
 def run_diloco(sim: Sim, replicas: int, h: int, steps: int, outer: Outer, delay: int, *,
-               stop_below: float | None = None, min_steps: int = 0) -> list[tuple[int, float]]:
+               stop_below: float | None = None, min_steps: int = 0, eager: float = 1.0) -> list[tuple[int, float]]:
     """The global model's eval curve; stops early once past ``min_steps`` at or below ``stop_below``."""
     reps = [sim.fresh(r) for r in range(replicas)]
     names = [n for n, p in reps[0][0].named_parameters() if p.requires_grad]
@@ -167,7 +167,7 @@ def run_diloco(sim: Sim, replicas: int, h: int, steps: int, outer: Outer, delay:
         for (model, _, _), start, pg in zip(reps, starts, progress):
             with torch.no_grad():
                 for n, p in model.named_parameters():
-                    p.copy_(glob[n] - pg[n] if delay else glob[n])
+                    p.copy_(glob[n] - eager * pg[n] if delay else glob[n])
                     start[n] = p.detach().float().clone()
         if delay and r == steps // h - 1:
             outer_step(previous)  # the last round's mean, after the last round
@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", nargs="+", default=list(DEFAULT_GRID),
                         help="outer settings 'lr,momentum' with an 'n' suffix for Nesterov, e.g. 0.7,0.9n")
     parser.add_argument("--delay", type=int, nargs="+", default=[0], choices=(0, 1))
+    parser.add_argument("--eager", type=float, default=1.0,
+                        help="with --delay 1: the weight of the replica's own progress in its next start "
+                             "(1: outer.eager = true, 0: false)")
     parser.add_argument("--dp-from", type=Path, default=None,
                         help="reuse the DP curves of an earlier run's JSON (same --steps; DP does not depend on H)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -216,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                 for outer in grid:
                     t0 = time.monotonic()
                     curve = run_diloco(sim, n, h, args.steps * args.factor, outer, delay, stop_below=dp_final,
-                                       min_steps=args.steps)
+                                       min_steps=args.steps, eager=args.eager)
                     at_t = next(loss for s, loss in curve if s == args.steps)
                     hit = steps_to(curve, dp_final)
-                    row = {"replicas": n, "sync_every": h, "outer": str(outer), "delay": delay, "loss_at_T": at_t,
+                    row = {"replicas": n, "sync_every": h, "outer": str(outer), "delay": delay,
+                           "eager": args.eager if delay else None, "loss_at_T": at_t,
                            "dp_loss_at_T": dp_final, "gap_pct": 100 * (at_t / dp_final - 1), "steps_to_dp": hit,
                            "tokens_vs_dp": None if hit is None else hit / args.steps, "curve": curve, "dp_curve": dp,
                            "seconds": time.monotonic() - t0}

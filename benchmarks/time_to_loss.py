@@ -40,6 +40,15 @@ T=96, H=32, loss against inner steps, a sweep of outer lr, momentum, H and inner
 momentum 0.1-0.6 and heavy-ball momentum 0.3 were no better. ``--set outer.lr=0.7 --set outer.momentum=0.9
 --set outer.nesterov=true`` runs the paper's setting (the three together: a ``--set`` wins field by field).
 
+  (c) overlap   ``--arms abc``: the product with ``outer.delay = 1`` (trainer/overlap.py), no outer.* override (the
+                measured default for N and H, config.OUTER_DEFAULTS) and H from the rule of trainer/sync_every.py
+                on (b)'s measured compute per inner step and exchange time (``--c-sync-every`` fixes it).
+  (d) small H   ``--arms abd``: the product without delay, no outer.* override, H = ``--d-sync-every`` (8).
+
+The last table gives every DiLoCo arm's wall time and tokens (steps) to (a)'s final loss as a share of
+(a)'s, and the replicas' compute share of their wall time (inner steps over the span from the first step to
+the last record, ranks other than 0).
+
 Both evaluate the global model on the same held-out batches (``data.eval_batches()``, identical on
 every rank) every H steps, on rank 0, inside the timed loop (the other replicas wait for it at the next
 exchange in both arms). Wall time is counted from the first training step (process start, model
@@ -594,13 +603,14 @@ def print_table(res: dict[str, Any]) -> None:
           f"({'met' if t['met'] else 'NOT met'})")
 
 
-ARM_LABELS = {"b_diloco": "(b) DiLoCo (--set, baseline outer)", "c_overlap": "(c) overlap, H rule, product outer"}
+ARM_LABELS = {"b_diloco": "(b) DiLoCo (--set, baseline outer)", "c_overlap": "(c) overlap, H rule, product outer",
+              "d_small_h": "(d) no overlap, small H, product outer"}
 
 
-def run_overlap_arm(setup: Setup, site: StoreSite, work: Path, h: int) -> dict[str, Any]:
-    """(c): the product with what a user gets by default for the outer step (no outer.* override but
-    ``--set``'s) and ``outer.delay = 1`` at ``h`` inner steps per round."""
-    c_setup = replace(setup, sync_every=h, diloco_outer=(), extra=("outer.delay=1", *setup.extra))
+def run_product_arm(setup: Setup, site: StoreSite, work: Path, h: int, delay: int) -> dict[str, Any]:
+    """(c) and (d): the product with what a user gets by default for the outer step (no outer.* override but
+    ``--set``'s: the measured default for N and H) and ``outer.delay = delay`` at ``h`` inner steps per round."""
+    c_setup = replace(setup, sync_every=h, diloco_outer=(), extra=(f"outer.delay={delay}", *setup.extra))
     return run_diloco(c_setup, site, work)
 
 
@@ -629,9 +639,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=1.0, help="emulator time scale (1 = real time)")
     parser.add_argument("--arms", default="ab",
                         help="which arms to run: a, b, c (DiLoCo with outer.delay = 1, the product's outer "
-                             "defaults and H from the rule) or any combination, e.g. abc")
+                             "defaults and H from the rule), d (no delay, the product's outer defaults, "
+                             "--d-sync-every) or any combination, e.g. abcd")
     parser.add_argument("--c-sync-every", default="auto", metavar="H|auto",
                         help="H of arm c; auto: the H rule on arm b's measured compute and exchange times")
+    parser.add_argument("--d-sync-every", type=int, default=8, metavar="H",
+                        help="H of arm d (no overlap; default 8: the fewest tokens to (a)'s loss in "
+                             "benchmarks/outer_sweep.py at N = 4)")
     parser.add_argument("--diloco-factor", type=int, default=None, metavar="K",
                         help="(b) trains K x T steps (same data stream, constant lr), to measure when it reaches "
                              "(a)'s final loss; its equal-token results are read at step T (default 1)")
@@ -680,8 +694,11 @@ def main(argv: list[str] | None = None) -> int:
         if "c" in args.arms:
             h = overlap_h(args, res)
             print(f"arm c: H = {h}", flush=True)
-            res["arms"]["c_overlap"] = run_overlap_arm(setup, site, Path(tmp), h)
+            res["arms"]["c_overlap"] = run_product_arm(setup, site, Path(tmp), h, delay=1)
             print(f"c_overlap: {json.dumps(res['arms']['c_overlap'])}", flush=True)
+        if "d" in args.arms:
+            res["arms"]["d_small_h"] = run_product_arm(setup, site, Path(tmp), args.d_sync_every, delay=0)
+            print(f"d_small_h: {json.dumps(res['arms']['d_small_h'])}", flush=True)
     if "a_sync_dp" in res["arms"] and "b_diloco" in res["arms"]:
         digests = {d for arm in res["arms"].values() for d in arm["init_digests"]}
         res["same_init"] = len(digests) == 1
