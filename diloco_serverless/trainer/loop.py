@@ -453,8 +453,9 @@ class ReplicaTrainer:
         over), this process starts from the run's initial state, and every round up to ``latest`` is still
         stored (none was pruned yet). Re-training them keeps the resume exact; loading the checkpoint
         would continue with a fresh inner optimizer. One answer for all local processes (the leader's)."""
+        applied = latest - self.cfg.outer.delay  # outer.delay: the checkpoint's own round may still be open
         retrain = (lacks_own_state and self.exact_resume and self.manager.current_step() == 0
-                   and self._holds_round(0) and self._holds_round(latest))
+                   and (applied < 0 or (self._holds_round(0) and self._holds_round(applied))))
         if self.local is not None:
             retrain = bool(self.local.leader_int(int(retrain)))
         if retrain:
