@@ -368,6 +368,9 @@ class OuterConfig(_Section):
 #: limits are in docs/replica.md, "Outer defaults by (N, H)"). The nearest measured (N, H) answers for
 #: the others (on a log scale, N first).
 OUTER_DEFAULTS: dict[tuple[int, int, int], tuple[float, float, bool]] = {
+    (2, 8, 0): (1.0, 0.0, False),
+    (2, 16, 0): (1.0, 0.0, False),
+    (2, 32, 0): (1.0, 0.0, False),
     (4, 8, 0): (1.0, 0.0, False),
     (4, 16, 0): (1.0, 0.0, False),
     (4, 32, 0): (1.0, 0.0, False),
