@@ -40,6 +40,15 @@ T=96, H=32, loss against inner steps, a sweep of outer lr, momentum, H and inner
 momentum 0.1-0.6 and heavy-ball momentum 0.3 were no better. ``--set outer.lr=0.7 --set outer.momentum=0.9
 --set outer.nesterov=true`` runs the paper's setting (the three together: a ``--set`` wins field by field).
 
+  (c) overlap   ``--arms abc``: the product with ``outer.delay = 1`` (trainer/overlap.py), no outer.* override (the
+                measured default for N and H, config.OUTER_DEFAULTS) and H from the rule of trainer/sync_every.py
+                on (b)'s measured compute per inner step and exchange time (``--c-sync-every`` fixes it).
+  (d) small H   ``--arms abd``: the product without delay, no outer.* override, H = ``--d-sync-every`` (8).
+
+The last table gives every DiLoCo arm's wall time and tokens (steps) to (a)'s final loss as a share of
+(a)'s, and the replicas' compute share of their wall time (inner steps over the span from the first step to
+the last record, ranks other than 0).
+
 Both evaluate the global model on the same held-out batches (``data.eval_batches()``, identical on
 every rank) every H steps, on rank 0, inside the timed loop (the other replicas wait for it at the next
 exchange in both arms). Wall time is counted from the first training step (process start, model
@@ -374,12 +383,32 @@ def run_diloco(setup: Setup, site: StoreSite, work: Path) -> dict[str, Any]:
     recs = [m for ms in metrics.values() for m in ms]
     last = max(m["time"] for m in recs)
     return {"curve": curve, "wall_s": last - start, "launch_to_done_s": total, "state": str(status.state),
+            "sync_every": setup.sync_every, "overrides": setup.overrides(setup.diloco_steps), **_compute_share(metrics),
             "start_stagger_s": max(starts) - min(starts) if starts else 0.0,
             "steps": setup.diloco_steps, "exchanges": setup.diloco_steps // setup.sync_every,
             "bytes_up": sum(m.get("bytes_up", 0) for m in recs),
             "bytes_down": sum(m.get("bytes_down", 0) for m in recs),
             "exchange_s_mean": sum(m.get("exchange_s", 0.0) for m in recs) / max(1, len(recs)),
             **_between_rounds(metrics), "init_digests": [_digest(initial.items())], "store": store}
+
+
+def _compute_share(metrics: dict[int, list[dict[str, Any]]]) -> dict[str, float]:
+    """The replicas' compute share of their wall time: inner-step seconds (``inner_s``: a round's wall time
+    less its time blocked on the exchange) over the span from the first step to the last record, on the ranks
+    that do not evaluate (rank 0 also evaluates); and the mean compute seconds per inner step and exchange
+    seconds per round (inputs of the H rule, diloco_serverless/trainer/sync_every.py)."""
+    shares, per_step, exchange = [], [], []
+    for rank, recs in metrics.items():
+        if not recs:
+            continue
+        span = recs[-1]["time"] - (recs[0]["time"] - recs[0]["wall_s"])
+        if rank != 0 and span > 0:
+            shares.append(sum(r.get("inner_s", 0.0) for r in recs) / span)
+        per_step += [r["inner_s"] / r["inner_steps"] for r in recs if r.get("inner_steps")]
+        exchange += [r["exchange_s"] for r in recs if r.get("exchange_s")]
+    return {"compute_share": sum(shares) / len(shares) if shares else 0.0,
+            "compute_s_per_step": sorted(per_step)[len(per_step) // 2] if per_step else 0.0,
+            "exchange_s_median": sorted(exchange)[len(exchange) // 2] if exchange else 0.0}
 
 
 def _between_rounds(metrics: dict[int, list[dict[str, Any]]]) -> dict[str, float]:
@@ -457,6 +486,7 @@ def summarize(res: dict[str, Any], site_preset: StorePreset | None) -> dict[str,
                                                  **_spend_share(arm, hit[1], site_preset)}
         row["b_over_a_wall"] = (row["b"]["wall_s"] / row["a"]["wall_s"]
                                 if row["a"] and row["b"] else None)
+        row["b_over_a_tokens"] = row["b"]["steps"] / row["a"]["steps"] if row["a"] and row["b"] else None
         out[name] = row
     out["a_loss_when_b_done"] = loss_at(a["curve"], b_equal[-1][0])
     a_step, b_step = a["wall_s"] / a["steps"], b["wall_s"] / b["steps"]
@@ -471,6 +501,19 @@ def summarize(res: dict[str, Any], site_preset: StorePreset | None) -> dict[str,
     ratio = out["a_final"]["b_over_a_wall"]
     out["target"] = {"b_over_a_wall_max": 0.2, "b_over_a_wall": ratio, "met": ratio is not None and ratio <= 0.2}
     return out
+
+
+def summarize_arm(res: dict[str, Any], key: str) -> dict[str, Any]:
+    """Another DiLoCo arm against (a): wall time and tokens to (a)'s final loss, its loss at T steps."""
+    a, arm = res["arms"]["a_sync_dp"], res["arms"][key]
+    steps, target = res["setup"]["steps"], a["curve"][-1][2]
+    a_hit, hit = time_to(a["curve"], target), time_to(arm["curve"], target)
+    at_t = [c for c in arm["curve"] if c[1] <= steps]
+    return {"target_loss": target, "sync_every": arm["sync_every"], "loss_at_T": at_t[-1][2] if at_t else None,
+            "wall_s": None if hit is None else hit[0], "steps": None if hit is None else hit[1],
+            "over_a_wall": None if hit is None or a_hit is None else hit[0] / a_hit[0],
+            "over_a_tokens": None if hit is None or a_hit is None else hit[1] / a_hit[1],
+            "compute_share": arm.get("compute_share"), "s_per_step": arm["wall_s"] / arm["steps"]}
 
 
 def _spend_share(arm: dict[str, Any], steps: int, p: StorePreset | None) -> dict[str, Any]:
@@ -518,8 +561,9 @@ def print_table(res: dict[str, Any]) -> None:
             req = "-" if r["requests"] is None else f"{r['requests']:.0f}"
             print(f"{arm_label:<16}{r['wall_s']:>9.1f}{r['steps']:>7}{req:>10}{_mb(r['bytes']):>10}"
                   f"{_usd(r, 'requests_usd'):>9}{_usd(r, 'egress_usd'):>10}")
-        ratio = row["b_over_a_wall"]
-        print(f"(b)/(a) wall: {'-' if ratio is None else f'{ratio:.3f}x'}")
+        ratio, tokens = row["b_over_a_wall"], row.get("b_over_a_tokens")
+        print(f"(b)/(a) wall: {'-' if ratio is None else f'{ratio:.3f}x'}      "
+              f"tokens: {'-' if tokens is None else f'{tokens:.2f}x'}")
     a, b = res["arms"]["a_sync_dp"], res["arms"]["b_diloco"]
     a_then = summ["a_loss_when_b_done"]
     print(f"\nequal wall time ({summ['b_wall_equal_tokens_s']:.1f} s, (b) at T steps): (a) at "
@@ -542,10 +586,46 @@ def print_table(res: dict[str, Any]) -> None:
     for key, label in (("a_sync_dp", "(a)"), ("b_diloco", "(b)")):
         print(f"{label} eval curve (s, step, loss): "
               + ", ".join(f"({t:.1f}, {st}, {lo:.3f})" for t, st, lo in res["arms"][key]["curve"]))
+    arms = [k for k in res["arms"] if k not in ("a_sync_dp",)]
+    print(f"\nevery DiLoCo arm to (a)'s final loss {summ['a_final']['target_loss']:.4f} "
+          f"((a): {summ['a_final']['a']['wall_s']:.1f} s, {summ['a_final']['a']['steps']} steps)")
+    print(f"{'arm':<34}{'H':>4}{'loss@T':>8}{'wall s':>8}{'steps':>7}{'wall/(a)':>9}{'tokens/(a)':>11}"
+          f"{'compute %':>10}")
+    for key in arms:
+        r = summ["arms"][key]
+        f = (lambda v, spec: "-" if v is None else format(v, spec))  # noqa: E731
+        print(f"{ARM_LABELS.get(key, key):<34}{r['sync_every']:>4}{f(r['loss_at_T'], '.4f'):>8}"
+              f"{f(r['wall_s'], '.1f'):>8}{f(r['steps'], 'd'):>7}{f(r['over_a_wall'], '.3f'):>9}"
+              f"{f(r['over_a_tokens'], '.2f'):>11}{f(100 * r['compute_share'], '.1f'):>10}")
     t = summ["target"]
     verdict = "-" if t["b_over_a_wall"] is None else f"{t['b_over_a_wall']:.3f}x"
     print(f"target: (b) reaches (a)'s final eval loss in <= 0.2x (a)'s wall time: {verdict} "
           f"({'met' if t['met'] else 'NOT met'})")
+
+
+ARM_LABELS = {"b_diloco": "(b) DiLoCo (--set, baseline outer)", "c_overlap": "(c) overlap, H rule, product outer",
+              "d_small_h": "(d) no overlap, small H, product outer"}
+
+
+def run_product_arm(setup: Setup, site: StoreSite, work: Path, h: int, delay: int) -> dict[str, Any]:
+    """(c) and (d): the product with what a user gets by default for the outer step (no outer.* override but
+    ``--set``'s: the measured default for N and H) and ``outer.delay = delay`` at ``h`` inner steps per round."""
+    c_setup = replace(setup, sync_every=h, diloco_outer=(), extra=(f"outer.delay={delay}", *setup.extra))
+    return run_diloco(c_setup, site, work)
+
+
+def overlap_h(args: argparse.Namespace, res: dict[str, Any]) -> int:
+    """``--c-sync-every``, or the H rule (trainer/sync_every.py, overlap) on (b)'s measured compute per inner
+    step and exchange time."""
+    from diloco_serverless.trainer.sync_every import choose_sync_every
+
+    if args.c_sync_every != "auto":
+        return int(args.c_sync_every)
+    b = res["arms"].get("b_diloco")
+    if not b or not b.get("compute_s_per_step") or not b.get("exchange_s_median"):
+        raise SystemExit("--c-sync-every auto needs arm b's timings: run --arms abc, or give --c-sync-every H")
+    return choose_sync_every(b["compute_s_per_step"], b["exchange_s_median"], overlap=True,
+                             divides=args.setup.steps)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -557,7 +637,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("s3", "file"), default="s3")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="s3-standard")
     parser.add_argument("--scale", type=float, default=1.0, help="emulator time scale (1 = real time)")
-    parser.add_argument("--arms", default="ab", help="which arms to run: a, b or ab")
+    parser.add_argument("--arms", default="ab",
+                        help="which arms to run: a, b, c (DiLoCo with outer.delay = 1, the product's outer "
+                             "defaults and H from the rule), d (no delay, the product's outer defaults, "
+                             "--d-sync-every) or any combination, e.g. abcd")
+    parser.add_argument("--c-sync-every", default="auto", metavar="H|auto",
+                        help="H of arm c; auto: the H rule on arm b's measured compute and exchange times")
+    parser.add_argument("--d-sync-every", type=int, default=8, metavar="H",
+                        help="H of arm d (no overlap; default 8: the fewest tokens to (a)'s loss in "
+                             "benchmarks/outer_sweep.py at N = 4)")
     parser.add_argument("--diloco-factor", type=int, default=None, metavar="K",
                         help="(b) trains K x T steps (same data stream, constant lr), to measure when it reaches "
                              "(a)'s final loss; its equal-token results are read at step T (default 1)")
@@ -603,10 +691,19 @@ def main(argv: list[str] | None = None) -> int:
         if "b" in args.arms:
             res["arms"]["b_diloco"] = run_diloco(setup, site, Path(tmp))
             print(f"b_diloco: {json.dumps(res['arms']['b_diloco'])}", flush=True)
-    if len(res["arms"]) == 2:
+        if "c" in args.arms:
+            h = overlap_h(args, res)
+            print(f"arm c: H = {h}", flush=True)
+            res["arms"]["c_overlap"] = run_product_arm(setup, site, Path(tmp), h, delay=1)
+            print(f"c_overlap: {json.dumps(res['arms']['c_overlap'])}", flush=True)
+        if "d" in args.arms:
+            res["arms"]["d_small_h"] = run_product_arm(setup, site, Path(tmp), args.d_sync_every, delay=0)
+            print(f"d_small_h: {json.dumps(res['arms']['d_small_h'])}", flush=True)
+    if "a_sync_dp" in res["arms"] and "b_diloco" in res["arms"]:
         digests = {d for arm in res["arms"].values() for d in arm["init_digests"]}
         res["same_init"] = len(digests) == 1
         res["summary"] = summarize(res, store_preset if args.backend == "s3" else None)
+        res["summary"]["arms"] = {k: summarize_arm(res, k) for k in res["arms"] if k != "a_sync_dp"}
         print_table(res)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")

@@ -344,15 +344,51 @@ class InnerConfig(_Section):
 class OuterConfig(_Section):
     """The outer optimizer applied to the averaged pseudo-gradient (DiLoCo: Nesterov SGD)."""
 
-    lr: float = Field(0.7, gt=0.0, le=10.0, description="Outer SGD learning rate (DiLoCo default 0.7).")
+    lr: float = Field(0.7, gt=0.0, le=10.0, description="Outer SGD learning rate (DiLoCo default 0.7; with none "
+                      "of lr, momentum, nesterov set: the measured default for the run's N and H, docs/replica.md).")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Outer SGD momentum (DiLoCo default 0.9).")
     nesterov: bool = Field(True, description="Nesterov momentum (DiLoCo default true).")
+    delay: int = Field(
+        0, ge=0, le=1,
+        description="1: overlap each round's exchange with the next round's inner steps; the averaged update is "
+        "applied one round late (one-step-delay DiLoCo, arXiv 2502.12996; docs/replica.md). Needs "
+        "exchange.fragments = 1, exchange.fragment_sync_delay = 0 and parallel.devices = 1.",
+    )
+    eager: bool = Field(
+        True,
+        description="With delay = 1: start each round from the new global parameters plus this replica's own "
+        "progress of the round before (eager); false starts from the global parameters alone.",
+    )
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> OuterConfig:
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("outer.nesterov=true needs outer.momentum > 0; set a momentum or nesterov=false")
         return self
+
+
+#: The outer step (lr, momentum, nesterov) a run gets when its config sets none of outer.lr, outer.momentum
+#: and outer.nesterov, by (replicas, inner.sync_every, outer.delay): the lowest loss at equal tokens in
+#: benchmarks/outer_sweep.py (tiny Qwen2, 96 inner steps per replica from random init; the table and its
+#: limits are in docs/replica.md, "Outer defaults by (N, H)"). The nearest measured (N, H) answers for
+#: the others (on a log scale, N first).
+OUTER_DEFAULTS: dict[tuple[int, int, int], tuple[float, float, bool]] = {
+    (2, 8, 0): (1.0, 0.0, False),
+    (2, 16, 0): (1.0, 0.0, False),
+    (2, 32, 0): (1.0, 0.0, False),
+    (4, 8, 0): (1.0, 0.0, False),
+    (4, 16, 0): (1.0, 0.0, False),
+    (4, 32, 0): (1.0, 0.0, False),
+    (4, 8, 1): (1.0, 0.0, False),
+    (4, 16, 1): (1.0, 0.0, False),
+}
+
+
+def outer_defaults(replicas: int, sync_every: int, delay: int = 0) -> tuple[float, float, bool]:
+    """The measured outer (lr, momentum, nesterov) nearest to ``(replicas, sync_every)`` for ``delay``."""
+    keys = [k for k in OUTER_DEFAULTS if k[2] == delay] or list(OUTER_DEFAULTS)
+    best = min(keys, key=lambda k: (abs(math.log2(k[0] / replicas)), abs(math.log2(k[1] / sync_every)), k))
+    return OUTER_DEFAULTS[best]
 
 
 class LossConfig(_Section):
@@ -750,6 +786,17 @@ class RunConfig(_Section):
                 f"exchange.fragment_sync_delay ({self.exchange.fragment_sync_delay}) must be smaller than "
                 f"inner.sync_every / exchange.fragments ({h // f})"
             )
+        if self.outer.delay and (f != 1 or self.exchange.fragment_sync_delay or self.parallel.devices > 1):
+            raise ValueError(
+                "outer.delay = 1 overlaps whole-model rounds on one device: it needs exchange.fragments = 1, "
+                f"exchange.fragment_sync_delay = 0 and parallel.devices = 1 (got {f}, "
+                f"{self.exchange.fragment_sync_delay}, {self.parallel.devices}); set outer.delay = 0 or change those"
+            )
+        if not self.outer.model_fields_set & {"lr", "momentum", "nesterov"}:  # none set: by (N, H)
+            lr, momentum, nesterov = outer_defaults(self.replicas, h, self.outer.delay)
+            outer = OuterConfig(lr=lr, momentum=momentum, nesterov=nesterov, delay=self.outer.delay,
+                                eager=self.outer.eager)
+            object.__setattr__(self, "outer", outer)  # no re-validation: the fields were just validated
         _refuse_secrets(self.model_dump(mode="json"), "")
         return self
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_serverless.config import RUN_ID_PATTERN, STORE_TIMEOUT_S, RunConfig
+from diloco_serverless.config import RUN_ID_PATTERN, STORE_TIMEOUT_S, RunConfig, outer_defaults
 from diloco_serverless.errors import ConfigError
 from support import REPO_ROOT
 
@@ -17,7 +17,7 @@ ROOT = REPO_ROOT
 
 def test_defaults_are_valid_and_follow_diloco() -> None:
     cfg = RunConfig()
-    assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == (0.7, 0.9, True)
+    assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == outer_defaults(4, 16)  # by (N, H): measured
     assert cfg.replicas == 4 and cfg.store == "./runs" and cfg.model.name == "tiny"
     assert cfg.data.source == "stdlib"
     assert cfg.loss.alpha_sdpo > 0 and cfg.loss.beta_replay > 0  # all three channels live by default

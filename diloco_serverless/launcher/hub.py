@@ -215,7 +215,8 @@ def model_card(*, repo_id: str, cfg: RunConfig, status: RunStatus, tokens: int, 
         f"# {repo_id.split('/', 1)[1]}", "",
         f"Trained with diloco-serverless: DiLoCo across {cfg.replicas} replicas that average "
         "their pseudo-gradients through an object store every "
-        f"{cfg.inner.sync_every} inner steps (outer Nesterov SGD, lr {cfg.outer.lr}, momentum {cfg.outer.momentum}).",
+        f"{cfg.inner.sync_every} inner steps (outer {'Nesterov ' if cfg.outer.nesterov else ''}SGD, lr {cfg.outer.lr}, "
+        f"momentum {cfg.outer.momentum}).",
         "",
         "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "",
     ]

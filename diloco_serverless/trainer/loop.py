@@ -99,6 +99,7 @@ from diloco_serverless.trainer.fsdp import (
 from diloco_serverless.trainer.local_group import LocalGroup
 from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
 from diloco_serverless.trainer.model import autocast, build_model, compile_model
+from diloco_serverless.trainer.overlap import DelayedObjectStoreManager, apply_last_update, enable_delay, shown_record
 from diloco_serverless.trainer.reports import ReportWriter
 from diloco_serverless.trainer.sliced_manager import SlicedManager
 from diloco_serverless.trainer.sliced_outer import shard_outer_optimizers
@@ -256,6 +257,8 @@ class ReplicaTrainer:
             nesterov=cfg.outer.nesterov,
         )
         keep_global_state_fp32(self.rep, every_fragment=self.fsdp)
+        if cfg.outer.delay:  # one-step-delay rounds: trainer/overlap.py
+            enable_delay(self.rep, eager=cfg.outer.eager)
         if self.fsdp:  # the exchange slice, the global parameters and the outer momentum are the shards
             assert local is not None
             self.rep = FSDPReplica(self.rep, local)
@@ -356,7 +359,7 @@ class ReplicaTrainer:
                         presliced=self.cfg.parallel.strategy == "fsdp")  # FSDP: the shards are the slice
             manager_cls: type[ObjectStoreManager] = SlicedManager
         else:
-            manager_cls = ObjectStoreManager
+            manager_cls = DelayedObjectStoreManager if self.cfg.outer.delay else ObjectStoreManager
         return manager_cls(
             store_url,
             self.rank,
@@ -452,8 +455,9 @@ class ReplicaTrainer:
         over), this process starts from the run's initial state, and every round up to ``latest`` is still
         stored (none was pruned yet). Re-training them keeps the resume exact; loading the checkpoint
         would continue with a fresh inner optimizer. One answer for all local processes (the leader's)."""
+        applied = latest - self.cfg.outer.delay  # outer.delay: the checkpoint's own round may still be open
         retrain = (lacks_own_state and self.exact_resume and self.manager.current_step() == 0
-                   and self._holds_round(0) and self._holds_round(latest))
+                   and (applied < 0 or (self._holds_round(0) and self._holds_round(applied))))
         if self.local is not None:
             retrain = bool(self.local.leader_int(int(retrain)))
         if retrain:
@@ -481,6 +485,7 @@ class ReplicaTrainer:
         if torch.cuda.is_available() and self.device.type == "cuda":
             tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device)
         tensors.update(buffers if buffers is not None else gather_buffers(self.manager, None, self.fragments))
+        tensors.update(getattr(self.manager, "own_state", dict)())  # outer.delay: the eager start
         at, loss = torch.stack([self._diverged_at.double(), self._diverged_loss.double()]).tolist()
         doc = {
             "param_groups": opt["param_groups"],
@@ -515,6 +520,8 @@ class ReplicaTrainer:
         if "rng/cuda" in tensors and torch.cuda.is_available() and self.device.type == "cuda":
             torch.cuda.set_rng_state(tensors["rng/cuda"], self.device)
         restore_buffers(self.manager, tensors, self.local)
+        if callable(load_own := getattr(self.manager, "load_own_state", None)):
+            load_own(tensors)
         if self.taid is not None and doc.get("taid") is not None:
             self.taid.load_state_dict(doc["taid"])
         diverged = doc.get("diverged")
@@ -584,9 +591,11 @@ class ReplicaTrainer:
             raise record.failure
         if committed:
             self.trained += 1
+            if self.manager.current_step() >= self.total_rounds:  # outer.delay: the last round's average
+                apply_last_update(self.rep)
         else:  # the round failed on this replica: the others may have moved on and pruned
             self.heal()
-        self._after_round(round_, seg, record if record and record.round == round_ else None, committed)
+        self._after_round(round_, seg, shown_record(self.manager, round_, record), committed)
 
     def _may_be_behind(self) -> bool:
         """Whether the others may have finished the next round without this replica, so that the store
@@ -602,7 +611,8 @@ class ReplicaTrainer:
         last = self.manager.history[-1] if self.manager.history else None
         behind = self.manager.retrain_own_rounds or not (
             last is not None and last.round == self.manager.current_step() - 1 and not last.replayed
-            and not last.late and last.error is None and last.abstained is None and self.rank in last.participants)
+            and not last.late and last.error is None and last.abstained is None
+            and (self.rank in last.participants or getattr(self.manager, "in_flight", _never)(last.round)))
         if self.local is not None:  # one decision for the replica: local rank 0's
             behind = bool(self.local.leader_int(int(behind)))
         return behind
@@ -906,6 +916,7 @@ class ReplicaTrainer:
                            self.rank, round_, one_line(str(exc)))
 
     def _finish(self) -> TrainResult:
+        apply_last_update(self.rep)  # outer.delay, when the last round was replayed or loaded: once
         self.rep.reset_to_global()
         eval_loss = self.last_eval
         self._heartbeat(HEARTBEAT_CHECKPOINTING)
@@ -956,6 +967,10 @@ class ReplicaTrainer:
         if writer is not None and not writer.close(timeout_s=self.store.retry.timeout_s):
             logger.warning("rank %d: %d heartbeat or metrics writes still pending after %.0f s",
                            self.rank, writer.pending(), self.store.retry.timeout_s)
+
+
+def _never(_round: int) -> bool:
+    return False
 
 
 #: heartbeats that end an attempt: the last report, waited for

@@ -183,6 +183,8 @@ def tiny_run_overrides(data_path: str, replicas: int, *, rounds: int = 2, sync_e
         "data.batch_size": 2, "data.seq_len": 32, "data.prompt_len": 8, "data.hint_len": 8,
         "data.eval_batches": 1, "data.eval_fraction": 0.2, "exchange.straggler_timeout_s": 60,
         "exchange.takeover_timeout_s": 20, "exchange.poll_interval_s": 0.05, "exchange.round_timeout_s": 120,
+        # DiLoCo's outer step, set explicitly (unset, N and H pick it): the outer momentum is state to keep
+        "outer.lr": 0.7, "outer.momentum": 0.9, "outer.nesterov": "true",
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
