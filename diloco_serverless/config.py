@@ -792,6 +792,16 @@ class RunConfig(_Section):
                 raise ValueError(
                     f'loss.channel1="{self.loss.channel1}" samples completions of prompts: set data.format="prompt"'
                 )
+            if self.inner.sync_every % self.rl.num_iterations:
+                raise ValueError(
+                    f"inner.sync_every ({self.inner.sync_every}) must be a multiple of rl.num_iterations "
+                    f"({self.rl.num_iterations}): a generation batch never spans two rounds"
+                )
+            if self.parallel.devices > 1:
+                raise ValueError(
+                    f'loss.channel1="{self.loss.channel1}" runs on one device per replica for now; set '
+                    "parallel.devices=1 (more replicas instead)"
+                )
         _refuse_secrets(self.model_dump(mode="json"), "")
         return self
 

@@ -10,7 +10,10 @@ EOS) plus:
   (TRL's ``old_per_token_logps = per_token_logps.detach()``); DPPO needs it;
 - ``ref_logprobs`` (when ``beta > 0``): fp32 ``[B, T]``, the KL reference's, aligned the same way;
 - ``num_items_in_batch`` (optional): the completion tokens of the whole generation batch, the
-  ``dapo`` / DPPO normaliser when the batch is one micro-batch of it.
+  ``dapo`` / DPPO normaliser when the batch is one micro-batch of it;
+- ``rl_micro_batches`` (optional int): the number of micro-batches the generation batch is cut into;
+  the ``grpo`` / ``bnpo`` / ``dr_grpo`` loss of each is divided by it (TRL's gradient-accumulation
+  normaliser), so the micro-batches' losses add up to the batch's.
 
 The policy's log-probs are those of ``logits / temperature`` (TRL divides by the sampling
 temperature too), computed in fp32 from the student forward pass ``compose_loss`` already ran.
@@ -131,6 +134,8 @@ def rl_channel(
                 max_completion_length=s.max_completion_length, num_items_in_batch=items,
             )  # fmt: skip
             loss = grpo.loss
+            if s.loss_type != "dapo":
+                loss = loss / int(batch.get("rl_micro_batches") or 1)
             stats["rl_clip_fraction"] = grpo.clip_fraction
             stats["rl_kl"] = grpo.kl
         tokens = mask.sum().clamp(min=1.0)
