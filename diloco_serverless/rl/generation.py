@@ -4,13 +4,15 @@
 :class:`TransformersBackend` implements it with ``model.generate`` (KV cache, left-padded prompts,
 ``temperature`` / ``top_p`` / ``top_k``, ``max_completion_length``, stop at EOS).
 
-Sampling log-probs: the log-prob of every sampled token under the distribution it was drawn from
-(after temperature, top-k and top-p), recorded by a logits processor placed after the sampling
-warpers, one ``[N, V]`` step at a time (never the ``[N, C, V]`` scores).
+Sampling: the last logits processor (after the temperature, top-k and top-p warpers) draws the next
+token from the warped distribution with the backend's own ``torch.Generator`` and leaves only that
+token finite, so ``generate``'s greedy pick takes it: the global RNG is never touched, and the same
+processor records the sampled token's log-prob under that distribution, one ``[N, V]`` step at a
+time (never the ``[N, C, V]`` scores).
 
-Randomness: each call samples under ``torch.random.fork_rng`` seeded with ``seed``; the caller derives
-it from ``(run seed, rank, rollout position)``, so the completions of a generation batch are a pure
-function of the parameters and that position: exact resume needs no saved RNG state.
+Randomness: the generator is seeded with ``seed`` per call; the caller derives it from ``(run seed,
+rank, rollout position)``, so the completions of a generation batch are a pure function of the
+parameters and that position: exact resume needs no saved RNG state.
 """
 
 from __future__ import annotations
@@ -72,19 +74,25 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int | None) -> torch.T
     return (positions.unsqueeze(0) <= first.unsqueeze(1)).long()
 
 
-class _RecordLogprobs:
-    """A logits processor (last in the list): at each step gathers the previous step's log-prob of the
-    token that was sampled (now the last input id) and keeps this step's log-softmax for the next."""
+class _SampleAndRecord:
+    """The last logits processor: samples each row's next token from ``softmax(scores)`` with
+    ``generator`` and returns scores that are finite only there (``generate`` then picks it greedily);
+    records the log-prob of each sampled token (gathered one step later, from the token that
+    ``generate`` appended, which is pad for finished rows)."""
 
-    def __init__(self) -> None:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
         self.pending: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.pending is not None:
             self.steps.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.pending = torch.log_softmax(scores.float(), dim=-1)
-        return scores
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        self.pending = logp
+        choice = torch.multinomial(logp.exp(), 1, generator=self.generator)
+        only = torch.full_like(scores, float("-inf"))
+        return only.scatter_(1, choice, 0.0)
 
     def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
         if self.pending is not None:
@@ -120,21 +128,19 @@ class TransformersBackend:
         device = next(model.parameters()).device
         rows = [list(p) for p in prompts for _ in range(num_generations)]
         ids, mask = left_pad(rows, self.pad_id, device)
-        record = _RecordLogprobs()
+        generator = torch.Generator(device=device).manual_seed(seed)
+        record = _SampleAndRecord(generator)
         config = GenerationConfig(  # type: ignore[no-untyped-call]
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=self.settings.max_completion_length,
-            pad_token_id=self.pad_id, eos_token_id=self.eos_id, return_dict_in_generate=False, use_cache=True,
-        )  # fmt: skip  # the warpers are ours, before the recorder; none of generate's own
+            do_sample=False, max_new_tokens=self.settings.max_completion_length, pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id, return_dict_in_generate=False, use_cache=True,
+        )  # fmt: skip  # the warpers and the sampling are ours (module docstring)
         was_training = model.training
         model.eval()
-        devices = [device] if device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-                torch.manual_seed(seed)
-                out = model.generate(  # type: ignore[operator]  # transformers' GenerationMixin
-                    input_ids=ids, attention_mask=mask, generation_config=config,
-                    logits_processor=LogitsProcessorList([*self._processors(), record]),
-                )  # fmt: skip
+            out = model.generate(  # type: ignore[operator]  # transformers' GenerationMixin
+                input_ids=ids, attention_mask=mask, generation_config=config,
+                logits_processor=LogitsProcessorList([*self._processors(), record]),
+            )  # fmt: skip
         finally:
             model.train(was_training)
         completion = out[:, ids.shape[1] :]
