@@ -65,7 +65,8 @@ def test_rl_config_refuses_generation_batches_across_rounds() -> None:
 
 def _rl_run(tmp: Path, name: str, **kw: Any) -> str:
     data = write_toy_jsonl(tmp / "toy.jsonl", 24)
-    return create_tiny_run(f"file://{tmp}/{name}", data, 2, rounds=3, **{**RL, "data.seq_len": 48, **kw})
+    url: str = create_tiny_run(f"file://{tmp}/{name}", data, 2, rounds=3, **{**RL, "data.seq_len": 48, **kw})
+    return url
 
 
 @pytest.mark.slow
