@@ -76,29 +76,22 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int | None) -> torch.T
 
 class _SampleAndRecord:
     """The last logits processor: samples each row's next token from ``softmax(scores)`` with
-    ``generator`` and returns scores that are finite only there (``generate`` then picks it greedily);
-    records the log-prob of each sampled token (gathered one step later, from the token that
-    ``generate`` appended, which is pad for finished rows)."""
+    ``generator``, records its log-prob, and returns scores that are finite only there (``generate``
+    then picks it greedily; a finished row's pick is replaced by pad, its log-prob masked later)."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
-        self.pending: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.pending is not None:
-            self.steps.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
-        logp = torch.log_softmax(scores.float(), dim=-1)
-        self.pending = logp
-        choice = torch.multinomial(logp.exp(), 1, generator=self.generator)
-        only = torch.full_like(scores, float("-inf"))
-        return only.scatter_(1, choice, 0.0)
+        logits = scores.float()
+        log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
+        choice = torch.multinomial(torch.exp(logits - log_z), 1, generator=self.generator)
+        self.steps.append((logits.gather(1, choice) - log_z).squeeze(1))
+        return torch.full_like(scores, float("-inf")).scatter_(1, choice, 0.0)
 
-    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        if self.pending is not None:
-            self.steps.append(self.pending.gather(1, last_tokens.unsqueeze(1)).squeeze(1))
-            self.pending = None
-        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(last_tokens.shape[0], 0)
+    def logprobs(self, rows: int) -> torch.Tensor:
+        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(rows, 0)
 
 
 class TransformersBackend:
@@ -147,7 +140,9 @@ class TransformersBackend:
         if completion.shape[1] == 0:
             completion = torch.full((len(rows), 1), self.eos_id if self.eos_id is not None else self.pad_id,
                                     dtype=torch.long, device=device)  # fmt: skip
-        logprobs = record.finish(completion[:, -1]).to(device)[:, : completion.shape[1]]
+        logprobs = record.logprobs(len(rows)).to(device)[:, : completion.shape[1]]
+        if logprobs.shape[1] < completion.shape[1]:  # no step ran: the placeholder EOS column
+            logprobs = torch.nn.functional.pad(logprobs, (0, completion.shape[1] - logprobs.shape[1]))
         cmask = completion_mask(completion, self.eos_id)
         completion = torch.where(cmask.bool(), completion, self.pad_id)
         return Generation(ids, mask, completion, cmask, torch.where(cmask.bool(), logprobs, 0.0))
