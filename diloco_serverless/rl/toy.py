@@ -1,9 +1,10 @@
 """A toy verifiable task a tiny randomly initialised model learns within minutes on a CPU.
 
-Prompt ``"Write the letter b, again and again: "`` with ``answer = "b"``; the reward
+Prompt ``"Say b again and again (7): bbb"`` with ``answer = "b"``; the reward
 (:func:`letter_fraction`) is the fraction of the completion's characters that are the letter, so
 random sampling scores about ``1 / vocabulary`` and the best policy 1.0. The letter varies with the
-prompt, so the policy must read the prompt. ``examples/grpo_toy.toml`` trains it;
+prompt (its last characters show it), so the policy must read the prompt: a policy that always says the
+same letter scores ``1 / len(LETTERS)``. ``examples/grpo_toy.toml`` trains it;
 ``benchmarks/rl.py`` measures it.
 """
 
@@ -23,7 +24,7 @@ def toy_rows(n: int = 64, letters: str = LETTERS) -> list[dict[str, Any]]:
     rows = []
     for i in range(n):
         letter = letters[i % len(letters)]
-        rows.append({"prompt": f"Write the letter {letter}, again and again ({i}): ", "answer": letter})
+        rows.append({"prompt": f"Say {letter} again and again ({i}): {letter * 3}", "answer": letter})
     return rows
 
 
