@@ -94,3 +94,15 @@ def test_a_crashed_rl_replica_resumes_exactly(tmp_path: Path, monkeypatch: pytes
     assert crashed[1].attempt == 1
     for rank in (0, 1):
         _assert_equal(_globals(crashed[rank]), _globals(reference[rank]))
+
+
+def test_dppo_steps_use_the_sampler_logprobs() -> None:
+    cfg = _cfg(**{"loss.channel1": '"dppo"'})
+    model, tok = build_model(cfg.model, 0)
+    steps = RLSteps(cfg, PromptBatcher.from_config(cfg, tok, rank=0, rows=toy_rows(16)), model, tok, rank=0)
+    batch = steps.next_batch()
+    assert batch["old_logprobs"] is batch["sampling_logprobs"]
+    out = compose_loss(model, batch, alpha_sdpo=0, beta_replay=0, **steps.loss_kwargs())
+    assert out.rl is not None and torch.isfinite(out.total)
+    # on the sampler's own parameters the ratio is 1 up to float error: nothing is masked, the KL is ~0
+    assert float(out.rl_stats["rl_clip_fraction"]) == 0.0 and float(out.rl_stats["rl_kl"]) < 1e-6
