@@ -5,7 +5,8 @@ Prompt ``"Say b again and again (7): bbb"`` with ``answer = "b"``; the reward
 random sampling scores about ``1 / vocabulary`` and the best policy 1.0. The letter varies with the
 prompt (its last characters show it), so the policy must read the prompt: a policy that always says the
 same letter scores ``1 / len(LETTERS)``. ``examples/grpo_toy.toml`` trains it;
-``benchmarks/rl.py`` measures it.
+``benchmarks/rl.py`` measures it. Measured so far: the mean reward rises from ~0.01 to ~0.25 in 20-30
+steps and stalls there (benchmarks/README.md).
 """
 
 from __future__ import annotations
