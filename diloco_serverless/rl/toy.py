@@ -1,4 +1,4 @@
-"""A toy verifiable task a tiny randomly initialised model learns within minutes on a CPU.
+"""A toy verifiable task for a tiny randomly initialised model on a CPU.
 
 Prompt ``"Say b again and again (7): bbb"`` with ``answer = "b"``; the reward
 (:func:`letter_fraction`) is the fraction of the completion's characters that are the letter, so
