@@ -52,6 +52,7 @@ __all__ = [
     "InnerConfig",
     "OuterConfig",
     "LossConfig",
+    "RLConfig",
     "ExchangeConfig",
     "RunConfig",
     "generate_run_id",
@@ -167,7 +168,7 @@ MIN_RESPONSE_TOKENS = 8
 to shuffle into the rejected answer); 8 keeps the examples meaningful."""
 
 
-DataFormat = Literal["auto", "text", "chat", "prompt_response", "preference"]
+DataFormat = Literal["auto", "text", "chat", "prompt_response", "preference", "prompt"]
 #: ``data.source`` prefix of a Hugging Face Hub dataset (``hf:HuggingFaceFW/fineweb-edu``).
 HF_SOURCE_PREFIX = "hf:"
 _HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -416,6 +417,11 @@ class LossConfig(_Section):
     entropy_opd_h_max: float | None = Field(
         None, gt=0.0, description="Entropy-aware OPD: entropy that maps to full forward KL; unset means log(V)."
     )
+    channel1: Literal["lm", "grpo", "dppo"] = Field(
+        "lm",
+        description='Channel 1: "lm" (cross-entropy on the data), or RL on rollouts sampled in the replica: "grpo" '
+        "(TRL's GRPO family, rl.loss_type) or \"dppo\" (PRIME-RL's DPPO-clip); needs data.format=\"prompt\" and [rl].",
+    )
 
     @model_validator(mode="after")
     def _taid_range(self) -> LossConfig:
@@ -442,6 +448,62 @@ class LossConfig(_Section):
     def needs_reference(self) -> bool:
         """True when batches must carry reference log-probs (DPO with the replay channel on)."""
         return self.beta_replay > 0.0 and self.dpo_variant == "dpo"
+
+
+class RLConfig(_Section):
+    """Rollouts, rewards and the RL loss of channel 1 (``loss.channel1 = "grpo" | "dppo"``); docs/rl.md.
+
+    Names and defaults follow TRL's ``GRPOConfig`` (and PRIME-RL's loss config for the ``dppo_*`` keys).
+    Each inner step reads ``data.batch_size`` prompts and samples ``num_generations`` completions of each."""
+
+    num_generations: int = Field(8, ge=2, description="G: completions sampled per prompt (a group).")
+    max_completion_length: int = Field(256, ge=1, description="Most tokens sampled per completion.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the loss's log-probs use it too).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1 = off.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 = off.")
+    num_iterations: int = Field(
+        1, ge=1, description="Inner steps per generation batch (ratios vs the sampling policy)."
+    )
+    generation_backend: Literal["transformers"] = Field(
+        "transformers", description="Who samples: model.generate with a KV cache (a colocated vLLM plugs in here)."
+    )
+    reward_funcs: list[str] = Field(
+        default_factory=list,
+        description='Reward functions by import path "module:function", TRL signature f(prompts, completions, '
+        "**columns) -> list[float | None]; built-ins in diloco_serverless.loss.rewards.",
+    )
+    reward_weights: list[float] | None = Field(None, description="One weight per reward function; unset = all 1.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage scaling: group std, batch std, or none (Dr. GRPO)."
+    )
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field("dapo", description="GRPO normalisation (TRL's).")
+    epsilon: float = Field(0.2, ge=0.0, description="Lower clip of the ratio (1 - epsilon).")
+    epsilon_high: float | None = Field(None, ge=0.0, description="Upper clip (1 + epsilon_high); unset = epsilon.")
+    delta: float | None = Field(None, gt=1.0, description="Two-sided clip: ratio capped at delta (INTELLECT-2).")
+    beta: float = Field(0.0, ge=0.0, description="k3 KL weight against the frozen initial model; 0 = no reference.")
+    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="Ratio per token or GSPO.")
+    dppo_mask_high: float = Field(0.2, ge=0.0, description="DPPO: probability rise past which A > 0 tokens drop.")
+    dppo_mask_low: float = Field(0.2, ge=0.0, description="DPPO: probability fall past which A < 0 tokens drop.")
+    adv_tau: float = Field(1.0, ge=0.0, description="DPPO: advantage scale.")
+    kl_tau: float = Field(1e-3, ge=0.0, description="DPPO: weight of the squared log-ratio KL.")
+
+    @field_validator("reward_funcs")
+    @classmethod
+    def _import_paths(cls, v: list[str]) -> list[str]:
+        for name in v:
+            module, _, func = name.partition(":")
+            if not module.strip() or not func.strip():
+                raise ValueError(f'{name!r} is not "module:function" (e.g. "diloco_serverless.loss.rewards:format")')
+        return v
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> RLConfig:
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"rl.reward_weights has {len(self.reward_weights)} weights for {len(self.reward_funcs)} "
+                "rl.reward_funcs; give one weight per function or leave it unset"
+            )
+        return self
 
 
 #: Set to "1" by the launcher in every replica's environment when it was given --trust-remote-code;
@@ -760,6 +822,7 @@ class RunConfig(_Section):
     inner: InnerConfig = Field(default_factory=InnerConfig, description="[inner] section.")
     outer: OuterConfig = Field(default_factory=OuterConfig, description="[outer] section.")
     loss: LossConfig = Field(default_factory=LossConfig, description="[loss] section.")
+    rl: RLConfig = Field(default_factory=RLConfig, description="[rl] section (loss.channel1 grpo / dppo).")
     exchange: ExchangeConfig = Field(default_factory=ExchangeConfig, description="[exchange] section.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="[parallel] section.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="[tracking] section.")
@@ -797,6 +860,26 @@ class RunConfig(_Section):
             outer = OuterConfig(lr=lr, momentum=momentum, nesterov=nesterov, delay=self.outer.delay,
                                 eager=self.outer.eager)
             object.__setattr__(self, "outer", outer)  # no re-validation: the fields were just validated
+        if self.loss.channel1 != "lm":
+            if not self.rl.reward_funcs:
+                raise ValueError(
+                    f'loss.channel1="{self.loss.channel1}" needs rl.reward_funcs, e.g. '
+                    '["diloco_serverless.loss.rewards:exact_match"]'
+                )
+            if self.data.format != "prompt":
+                raise ValueError(
+                    f'loss.channel1="{self.loss.channel1}" samples completions of prompts: set data.format="prompt"'
+                )
+            if self.inner.sync_every % self.rl.num_iterations:
+                raise ValueError(
+                    f"inner.sync_every ({self.inner.sync_every}) must be a multiple of rl.num_iterations "
+                    f"({self.rl.num_iterations}): a generation batch never spans two rounds"
+                )
+            if self.parallel.devices > 1:
+                raise ValueError(
+                    f'loss.channel1="{self.loss.channel1}" runs on one device per replica for now; set '
+                    "parallel.devices=1 (more replicas instead)"
+                )
         _refuse_secrets(self.model_dump(mode="json"), "")
         return self
 

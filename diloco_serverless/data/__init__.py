@@ -20,6 +20,7 @@ from diloco_serverless.data.builder import (
 from diloco_serverless.data.examples import DataError, Example
 from diloco_serverless.data.hf import DatasetsSource
 from diloco_serverless.data.jsonl import JsonlSource
+from diloco_serverless.data.prompts import PromptBatcher, PromptRecord, PromptSource
 from diloco_serverless.data.stdlib import StdlibSource
 
 __all__ = [
@@ -29,6 +30,9 @@ __all__ = [
     "Example",
     "ExampleSource",
     "JsonlSource",
+    "PromptBatcher",
+    "PromptRecord",
+    "PromptSource",
     "StdlibSource",
     "StreamSource",
     "check_channels",

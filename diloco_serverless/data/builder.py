@@ -111,6 +111,9 @@ def make_source(
 ) -> ExampleSource | StreamSource:
     """``"stdlib"`` -> StdlibSource; a single ``.jsonl`` file with ``data.format = "auto"`` (and no
     datasets-only option) -> JsonlSource; anything else -> DatasetsSource (🤗 datasets)."""
+    if data.format == "prompt":  # RL prompts: diloco_serverless.data.prompts
+        raise DataError('data.format="prompt" holds prompts to sample from, not training sequences: it is read by '
+                        'PromptBatcher (loss.channel1 = "grpo" or "dppo")')
     if data.source == "stdlib":
         return StdlibSource(tokenizer, data, rank=rank, world_size=world_size, seed=seed)
     builtin = data.format == "auto" and data.eval_split is None and data.streaming is None

@@ -2,7 +2,11 @@
 
     total = lm_ce + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo
 
-1. ``lm_ce`` (always on): response-masked next-token cross-entropy of ``input_ids``.
+1. ``lm_ce`` (always on): response-masked next-token cross-entropy of ``input_ids``; or, with
+   ``channel1="grpo"|"dppo"`` and a batch that carries rollouts (an ``advantages`` key), the RL
+   loss ``rl`` of :mod:`.rl_channel` (TRL's GRPO family or PRIME-RL's DPPO-clip) from the same
+   forward pass: ``total = rl + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo``, and
+   ``lm_ce`` is then the (detached) NLL of the sampled completions, reported only.
 2. ``sdpo_jsd`` (hint self-distillation): the same model, under ``torch.no_grad()``, reads
    ``ctx_teacher_input_ids`` (prompt + hint + the same response); its response logits teach the
    student's response logits through the generalized JSD (:mod:`.jsd`), TAID (:mod:`.taid`) or
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +69,7 @@ from diloco_serverless.loss.logprobs import (
     response_ce,
     token_logprobs,
 )
+from diloco_serverless.loss.rl_channel import CHANNEL1_KINDS, RLLossSettings, carries_rollouts, rl_channel
 from diloco_serverless.loss.taid import check_taid_t, taid_loss
 
 SDPO_WRAPPERS = ("none", "taid", "entropy_opd")
@@ -76,18 +81,27 @@ _PAIR_KEYS = ("dpo_chosen_input_ids", "dpo_rejected_input_ids")
 class LossComponents:
     """The total loss (differentiable) and its three channels, each an fp32 scalar tensor.
 
-    ``sdpo_jsd`` and ``trace_replay_dpo`` are unweighted; a disabled channel is an exact 0.
+    ``sdpo_jsd`` and ``trace_replay_dpo`` are unweighted; a disabled channel is an exact 0. With an
+    RL channel 1, ``rl`` is its loss, ``rl_stats`` its detached metrics and ``rl_token_logprobs`` the
+    policy's ``[B, T]`` per-token log-probs (see :class:`~diloco_serverless.loss.rl_channel.RLChannel`).
     """
 
     total: torch.Tensor
     lm_ce: torch.Tensor
     sdpo_jsd: torch.Tensor
     trace_replay_dpo: torch.Tensor
+    rl: torch.Tensor | None = None
+    rl_stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    rl_token_logprobs: torch.Tensor | None = None
 
     def to_floats(self) -> dict[str, float]:
-        """Detached Python floats for metrics and heartbeats."""
+        """Detached Python floats for metrics and heartbeats (``rl`` and its metrics when present)."""
         names = ("total", "lm_ce", "sdpo_jsd", "trace_replay_dpo")
-        return {name: float(getattr(self, name).detach()) for name in names}
+        out = {name: float(getattr(self, name).detach()) for name in names}
+        if self.rl is not None:
+            out["rl"] = float(self.rl.detach())
+            out.update({k: float(v) for k, v in self.rl_stats.items()})
+        return out
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,8 @@ def compose_loss(
     validate: bool = True,
     token_count: torch.Tensor | float | None = None,
     pair_count: float | None = None,
+    channel1: str = "lm",
+    rl: RLLossSettings | None = None,
 ) -> LossComponents:
     """Compute ``total = lm_ce + alpha_sdpo * sdpo_jsd + beta_replay * trace_replay_dpo``.
 
@@ -136,7 +152,18 @@ def compose_loss(
     ``token_count`` (tensor or number) and ``pair_count``: what ``lm_ce``/``sdpo_jsd`` and
     ``trace_replay_dpo`` are averaged over instead of this batch's scored response tokens and rows
     (see the module docstring: micro-batches).
+
+    ``channel1``: ``"lm"``, ``"grpo"`` or ``"dppo"``; an RL kind uses ``rl`` (default
+    :class:`RLLossSettings` of that kind) when the batch carries rollouts, and ``lm_ce`` otherwise.
+    The RL loss's own normaliser is the batch key ``num_items_in_batch`` (``token_count`` does not
+    apply to it).
     """
+    if channel1 not in CHANNEL1_KINDS:
+        raise ValueError(f"channel1 must be one of {CHANNEL1_KINDS} (loss.channel1), got {channel1!r}")
+    if channel1 != "lm" and rl is None:
+        rl = RLLossSettings(kind=channel1)
+    if rl is not None and channel1 != "lm" and rl.kind != channel1:
+        raise ValueError(f"channel1={channel1!r} but the RL settings are for {rl.kind!r}")
     settings = _validate_settings(
         alpha_sdpo=alpha_sdpo, beta_replay=beta_replay, dpo_variant=dpo_variant, dpo_beta=dpo_beta,
         simpo_beta=simpo_beta, simpo_gamma=simpo_gamma, jsd_beta=jsd_beta, sdpo_wrapper=sdpo_wrapper,
@@ -152,8 +179,15 @@ def compose_loss(
     if validate:
         _check_values(student, teacher, pair)
     logits = causal_lm_logits(model, student.input_ids, student.attention_mask)
-    lm_ce = response_ce(logits, student.input_ids, student.response_mask, token_count)
-    total, sdpo, replay = lm_ce, _zero(lm_ce), _zero(lm_ce)
+    rl_out = None
+    if channel1 != "lm" and carries_rollouts(batch):
+        assert rl is not None
+        rl_out = rl_channel(logits, student, batch, rl)
+        lm_ce, total = rl_out.nll, rl_out.loss
+    else:
+        lm_ce = response_ce(logits, student.input_ids, student.response_mask, token_count)
+        total = lm_ce
+    sdpo, replay = _zero(lm_ce), _zero(lm_ce)
     if teacher is not None:
         tokens = student.scored.sum() if token_count is None else token_count
         sdpo = _sdpo_channel(model, student, teacher, logits, settings, tokens)
@@ -161,7 +195,12 @@ def compose_loss(
     if pair is not None:
         replay = _replay_channel(model, student, logits, pair, settings, pair_count)
         total = total + settings.beta_replay * replay
-    return LossComponents(total=total, lm_ce=lm_ce, sdpo_jsd=sdpo, trace_replay_dpo=replay)
+    if rl_out is None:
+        return LossComponents(total=total, lm_ce=lm_ce, sdpo_jsd=sdpo, trace_replay_dpo=replay)
+    return LossComponents(
+        total=total, lm_ce=lm_ce, sdpo_jsd=sdpo, trace_replay_dpo=replay, rl=rl_out.loss.detach(),
+        rl_stats=rl_out.stats, rl_token_logprobs=rl_out.token_logprobs,
+    )  # fmt: skip
 
 
 def scored_tokens(batch: Mapping[str, Any]) -> torch.Tensor:

@@ -41,6 +41,13 @@ GLOBAL_KEYS = (
     "optim/inner_lr",
     "outer_round",
 )
+#: RL runs (``loss.channel1 = "grpo" | "dppo"``, docs/rl.md): record key -> series, the mean over the
+#: ranks; besides these, each reward function's ``reward/<name>/mean`` and ``/std`` become ``rl/reward/...``.
+RL_SERIES = {
+    "reward_mean": "rl/reward_mean", "reward_std": "rl/reward_std", "completion_length": "rl/completion_length",
+    "generation_share": "rl/generation_share", "rl_kl": "rl/kl", "rl_entropy": "rl/entropy",
+    "rl_clip_fraction": "rl/clip_fraction",
+}  # fmt: skip
 #: Keys a record may hold ``compose_loss``'s total under (the trainer writes ``total``; older or other
 #: writers ``loss``), first present wins, as ``diloco plot`` reads them.
 TOTAL_LOSS_KEYS = ("total", "loss", "train_loss")
@@ -145,6 +152,10 @@ def global_values(records: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
     out["replicas/abstained"] = float(sum(1 for rec in recs if rec.get("abstained")))
     out["replicas/late"] = float(sum(1 for rec in recs if rec.get("late") is True))
     _put(out, "optim/inner_lr", _mean(_values(recs, "lr")))
+    for key, series in RL_SERIES.items():
+        _put(out, series, _mean(_values(recs, key)))
+    for key in sorted({k for rec in recs for k in rec if isinstance(k, str) and k.startswith("reward/")}):
+        _put(out, f"rl/{key}", _mean(_values(recs, key)))
     outer = _values(recs, "outer_round")
     _put(out, "outer_round", max(outer) if outer else None)
     return out

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from diloco_serverless.config import STORE_TIMEOUT_S, TRUST_REMOTE_CODE_ENV, RunConfig
-from diloco_serverless.data.builder import BatchBuilder, make_reference_model
+from diloco_serverless.data.builder import make_reference_model
 from diloco_serverless.errors import ConfigError, StoreError, one_line
 from diloco_serverless.exchange._io import shard_bounds
 from diloco_serverless.exchange.errors import AbstainedError
@@ -101,8 +101,13 @@ from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
 from diloco_serverless.trainer.model import autocast, build_model, compile_model
 from diloco_serverless.trainer.overlap import DelayedObjectStoreManager, apply_last_update, enable_delay, shown_record
 from diloco_serverless.trainer.reports import ReportWriter
+from diloco_serverless.trainer.segment import COMPONENTS as _COMPONENTS
+from diloco_serverless.trainer.segment import Segment as _Segment
+from diloco_serverless.trainer.segment import add_components as _add
+from diloco_serverless.trainer.segment import micro_batches as _micro_batches
 from diloco_serverless.trainer.sliced_manager import SlicedManager
 from diloco_serverless.trainer.sliced_outer import shard_outer_optimizers
+from diloco_serverless.trainer.steps import make_steps, needs_reference_model, rows_per_pass
 
 logger = logging.getLogger(__name__)
 
@@ -120,48 +125,6 @@ class TrainResult:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     #: the attempt stopped before its deadline with its state saved: a fresh attempt must continue it
     continuing: bool = False
-
-
-_COMPONENTS = ("total", "lm_ce", "sdpo_jsd", "trace_replay_dpo")
-
-
-@dataclass
-class _Segment:
-    """Accumulators for the inner steps of one exchange round, kept on the device: the loss
-    components and token counts are read once, when the round's metrics are written."""
-
-    start: float = field(default_factory=time.monotonic)
-    steps: int = 0
-    sums: torch.Tensor | None = None  # [4] fp32: _COMPONENTS summed over the round's steps
-    token_sum: torch.Tensor | None = None  # attention-mask tokens of the round's batches
-
-    def add(self, comps: LossComponents, tokens: torch.Tensor) -> None:
-        values = torch.stack([getattr(comps, name).detach().float() for name in _COMPONENTS])
-        self.sums = values if self.sums is None else self.sums + values
-        self.token_sum = tokens if self.token_sum is None else self.token_sum + tokens
-        self.steps += 1
-
-    def read(self) -> tuple[dict[str, float], int]:
-        """``(component means, tokens)`` of the round: one read of the device accumulators."""
-        if self.sums is None or self.token_sum is None:
-            return {}, 0
-        *sums, tokens = torch.cat([self.sums.double(), self.token_sum.double().reshape(1)]).tolist()
-        return {name: v / self.steps for name, v in zip(_COMPONENTS, sums)}, int(tokens)
-
-
-def _micro_batches(batch: Mapping[str, Any], size: int) -> list[dict[str, Any]]:
-    """``batch`` cut into consecutive row slices of ``size`` rows (views, no copies); keys whose
-    tensor is not ``[B, ...]`` (an absent, empty channel) are passed to every slice unchanged."""
-    rows = int(batch["input_ids"].shape[0])
-    if size >= rows:
-        return [dict(batch)]
-
-    def cut(value: Any, start: int) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
-            return value[start : start + size]
-        return value
-
-    return [{k: cut(v, start) for k, v in batch.items()} for start in range(0, rows, size)]
 
 
 def _set_global_grads(fragment: Any) -> None:
@@ -231,7 +194,7 @@ class ReplicaTrainer:
         model, self.tokenizer = build_model(cfg.model, cfg.seed)
         ckpt.sync_initial_parameters(run_store, model, run_key)  # identical start on every replica, bit for bit
         self.model = model.to(self.device)  # type: ignore[arg-type]  # transformers wraps .to(); its stub takes the model
-        ref = make_reference_model(self.model) if cfg.loss.needs_reference else None
+        ref = make_reference_model(self.model) if needs_reference_model(cfg) else None
         #: FSDP2 over the local processes (parallel.strategy = "fsdp"): each holds 1/G of the parameters
         self.fsdp = local is not None and cfg.parallel.strategy == "fsdp"
         if self.fsdp:
@@ -240,9 +203,10 @@ class ReplicaTrainer:
         compile_model(self.model, cfg.model)  # after the reference copy: a compiled module does not deep-copy
         if ref is not None:
             compile_model(ref, cfg.model)
-        self.data = BatchBuilder.from_config(
-            cfg, self.tokenizer, rank=rank, ref_model=ref, device=self.device, storage_options=storage_options
-        )
+        #: what differs between channel-1 kinds (language modelling, GRPO / DPPO rollouts): trainer/steps.py
+        self.steps = make_steps(cfg, self.tokenizer, self.model, rank=rank, ref_model=ref, device=self.device,
+                                storage_options=storage_options)
+        self.data = self.steps.data
         self.manager = self._build_manager(storage_options, {"run_key": run_key, **(exchange_options or {})})
         self.inner = self._build_inner_optimizer()
         self.rep: DiLoCoReplica = build_diloco(
@@ -266,7 +230,7 @@ class ReplicaTrainer:
             shard_outer_optimizers(self.rep, local)
         self.taid = self._build_taid()
         self.total_inner_steps = cfg.rounds * cfg.inner.sync_every  # what inner.schedule spans
-        self.micro_batch = cfg.data.micro_batch_size or cfg.data.batch_size
+        self.micro_batch = rows_per_pass(cfg)
         # per-round divergence record, on the device (read once per round, see _check_divergence):
         # the first inner step whose loss was not finite (-1: none) and that loss; _skip is the fused
         # AdamW's found_inf, 1 from that step on, so no update is applied until the exchange
@@ -652,9 +616,10 @@ class ReplicaTrainer:
         for group in self.inner.param_groups:
             group["lr"] = lr
         with autocast(cfg.model, self.device):  # the DPO reference forwards of the batch, too
-            batch = self.data.next_batch()
+            batch = self.steps.next_batch()
         self.inner.zero_grad(set_to_none=True)
         comps = self._forward_backward(batch, validate=seg.steps == 0)
+        self.steps.after_step(comps)
         if cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.inner.grad_clip, foreach=True)
         bad = self._record_divergence(comps.total)
@@ -672,7 +637,7 @@ class ReplicaTrainer:
         """Accumulate into ``.grad`` the gradient of the loss of ``batch``, in micro-batches of
         ``data.micro_batch_size`` rows under the model's precision; returns the batch's loss
         components (the micro-batches' shares summed: the same as one pass over the whole batch)."""
-        kwargs = self.cfg.loss.compose_kwargs(taid_t=self.taid.t if self.taid else None)
+        kwargs = {**self.cfg.loss.compose_kwargs(taid_t=self.taid.t if self.taid else None), **self.steps.loss_kwargs()}
         size = self.micro_batch
         if self.local is not None:  # at least one micro-batch per local process
             size = min(size, -(-int(batch["input_ids"].shape[0]) // self.local.size))
@@ -703,7 +668,8 @@ class ReplicaTrainer:
         if self.local is not None:  # the whole batch's loss on every local process
             mine = (torch.stack([getattr(comps, n).detach().float() for n in _COMPONENTS]) if comps is not None
                     else torch.zeros(len(_COMPONENTS), device=self.device))
-            comps = LossComponents(*self.local.sum_(mine).unbind())
+            total, lm_ce, sdpo, replay = self.local.sum_(mine).unbind()
+            comps = LossComponents(total, lm_ce, sdpo, replay)
         assert comps is not None
         return comps
 
@@ -793,6 +759,7 @@ class ReplicaTrainer:
             "data_bad_rows": self.data.bad_rows,  # unusable rows skipped so far (data.max_bad_fraction)
             "lr": self.inner.param_groups[0]["lr"],
             "devices": self.local.size if self.local is not None else 1,
+            **self.steps.round_metrics(inner_s),  # RL: rewards, completion length, generation share
         }
         if record is not None:
             out.update(
@@ -820,7 +787,7 @@ class ReplicaTrainer:
         was_training = self.model.training
         self.model.eval()
         with autocast(self.cfg.model, self.device):
-            losses = [float(compose_loss(self.model, b).lm_ce) for b in self.data.eval_batches()]
+            losses = list(self.steps.eval_losses(self.model))  # lm_ce; RL: minus the mean reward
         self.model.train(was_training)
         for n, t in live.items():
             params[n].copy_(t)
@@ -975,8 +942,3 @@ def _never(_round: int) -> bool:
 
 #: heartbeats that end an attempt: the last report, waited for
 _LAST_STATES = (HEARTBEAT_DONE, HEARTBEAT_FAILED, HEARTBEAT_CONTINUING)
-
-
-def _add(a: LossComponents, b: LossComponents) -> LossComponents:
-    """Component-wise sum (the micro-batches' shares of one batch's loss)."""
-    return LossComponents(*(getattr(a, name) + getattr(b, name) for name in _COMPONENTS))
