@@ -470,7 +470,7 @@ class RLConfig(_Section):
     reward_funcs: list[str] = Field(
         default_factory=list,
         description='Reward functions by import path "module:function", TRL signature f(prompts, completions, '
-        "**columns) -> list[float | None]; built-ins in diloco_serverless.loss.rewards.",
+        "**columns) -> list[float | None]; built-ins in diloco_serverless.rl.rewards.",
     )
     reward_weights: list[float] | None = Field(None, description="One weight per reward function; unset = all 1.")
     scale_rewards: Literal["group", "batch", "none"] = Field(
@@ -493,7 +493,7 @@ class RLConfig(_Section):
         for name in v:
             module, _, func = name.partition(":")
             if not module.strip() or not func.strip():
-                raise ValueError(f'{name!r} is not "module:function" (e.g. "diloco_serverless.loss.rewards:format")')
+                raise ValueError(f'{name!r} is not "module:function" (e.g. "diloco_serverless.rl.rewards:format")')
         return v
 
     @model_validator(mode="after")
@@ -864,7 +864,7 @@ class RunConfig(_Section):
             if not self.rl.reward_funcs:
                 raise ValueError(
                     f'loss.channel1="{self.loss.channel1}" needs rl.reward_funcs, e.g. '
-                    '["diloco_serverless.loss.rewards:exact_match"]'
+                    '["diloco_serverless.rl.rewards:exact_match"]'
                 )
             if self.data.format != "prompt":
                 raise ValueError(

@@ -110,6 +110,11 @@ class _RolloutPosition:
     def step_index(self) -> int:
         return self.position // self.prompts.data.batch_size
 
+    @property
+    def bad_rows(self) -> int:
+        """Rows skipped as unusable: none yet; the prompt reader stops on a bad row with a DataError naming it."""
+        return 0
+
     def prompt_position(self) -> int:
         return (self.step_index // self.iterations) * self.prompts.data.batch_size
 
