@@ -99,6 +99,7 @@ def _assert_one_error_line(stderr: str, *names: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # waits out a real deadline (seconds): kept out of the fast tier
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_unresponsive_store_ends_each_command_within_its_deadline(
@@ -115,6 +116,7 @@ def test_unresponsive_store_ends_each_command_within_its_deadline(
     assert fake.launched == []  # launch failed in preflight: no replica started
 
 
+@pytest.mark.slow  # waits out a real deadline (seconds): kept out of the fast tier
 @pytest.mark.timeout(120)
 def test_unresponsive_store_real_process_exits_with_one_line(silent: SilentEndpoint, tmp_path: Path) -> None:
     """A real ``diloco status`` process, the endpoint from AWS_ENDPOINT_URL: it prints one line and exits

@@ -197,6 +197,7 @@ def test_a_large_run_whose_listers_are_all_gone_still_closes_its_round(tmp_path:
     assert all(s.participants == list(range(QUORUM_LISTERS, N)) for s in stats.values())
 
 
+@pytest.mark.slow  # 65+ replicas in threads
 def test_above_64_replicas_the_ready_markers_and_abstentions_are_spread(tmp_path: Path) -> None:
     """N = 65: two ready prefixes (x00, x01). One replica abstains (non-finite values); the other 64
     average among themselves, and every marker and the abstention sit in their rank's prefix."""
@@ -227,6 +228,7 @@ class NoCopies(RecordingStore):
         super().put(key, data)
 
 
+@pytest.mark.slow  # 65+ replicas in threads
 @pytest.mark.parametrize("copies_fail", [False, True], ids=["copies", "copies-refused"])
 def test_above_64_replicas_small_reduced_shards_are_read_from_copies(tmp_path: Path, copies_fail: bool) -> None:
     """Hierarchical, N = 65: each small reduced shard's writer puts 2 copies and everyone else reads copy

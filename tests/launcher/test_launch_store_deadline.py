@@ -79,6 +79,7 @@ def test_default_deadline_when_the_config_sets_none(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ behaviour
+@pytest.mark.slow  # waits out a real deadline (seconds): kept out of the fast tier
 @pytest.mark.timeout(120)
 def test_launch_fails_within_the_deadline_on_an_unresponsive_store(silent: SilentEndpoint) -> None:
     fake = FakeExecutor()
@@ -96,6 +97,7 @@ def test_launch_fails_within_the_deadline_on_an_unresponsive_store(silent: Silen
     assert fake.launched == []
 
 
+@pytest.mark.slow  # waits out a real deadline (seconds): kept out of the fast tier
 @pytest.mark.timeout(120)
 def test_attach_fails_within_the_deadline_on_an_unresponsive_store(silent: SilentEndpoint) -> None:
     url = "s3://diloco-silent/runs/r1"
