@@ -10,6 +10,7 @@ import json
 import logging
 import struct
 import time
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -277,7 +278,11 @@ def _wandb_records(path: Path) -> list[Any]:
         if kind == 0 and length == 0:
             pos += left
             continue
+        if pos + 7 + length > len(raw):
+            break  # W&B's service is still writing this record: read it on the next poll
         data, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+        if zlib.crc32(data, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != _crc:
+            break  # a record whose bytes are not all on disk yet
         if kind == 1:
             out.append(data)
         elif kind == 2:
