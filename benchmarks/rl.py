@@ -6,6 +6,7 @@ Run (from the repo root, venv active):
     python benchmarks/rl.py              # 5 interleaved blocks per row, a few minutes on 2 CPU cores
     python benchmarks/rl.py --quick      # 2 blocks, fewer steps
     python benchmarks/rl.py --model small   # a 4-layer 256-wide random Qwen2 instead of the tiny one
+    python benchmarks/rl.py --compare [options of rl_compare.py]   # DiLoCo-GRPO vs synchronous GRPO
 
 Prints two tables and writes benchmarks/results/rl.json. One torch thread, random-init models
 (nothing downloads), the toy letter prompts (diloco_serverless/rl/toy.py).
@@ -27,8 +28,9 @@ tokens whatever it samples. Target: backend >= 0.9x plain.
 forward/backward + AdamW step, per GRPO inner step: the seconds of generation, reward scoring and
 training, and generation's share.
 
-Not measured here yet: DiLoCo-GRPO (N = 4, H = 8) against synchronous GRPO through the emulated
-store (see benchmarks/README.md). Benchmarks never assert.
+``--compare``: DiLoCo-GRPO (N = 4, H = 8) against synchronous GRPO through the emulated store at equal
+rollouts on the toy task: benchmarks/rl_compare.py (its docstring, its own options and JSON).
+Benchmarks never assert.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import argparse
 import functools
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -170,8 +173,13 @@ def step_table(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    if "--compare" in sys.argv[1:]:
+        from rl_compare import main as compare  # benchmarks/ is on the path when this file runs as a script
+
+        sys.exit(compare([a for a in sys.argv[1:] if a != "--compare"]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 blocks, 3 steps")
+    ap.add_argument("--compare", action="store_true", help="run benchmarks/rl_compare.py (DiLoCo-GRPO vs sync GRPO)")
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--model", choices=("tiny", "small"), default="tiny")

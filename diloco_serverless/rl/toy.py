@@ -1,12 +1,19 @@
-"""A toy verifiable task for a tiny randomly initialised model on a CPU.
+"""A toy verifiable task for a tiny randomly initialised model on a CPU: copy the prompt's letter.
 
-Prompt ``"Say b again and again (7): bbb"`` with ``answer = "b"``; the reward
-(:func:`letter_fraction`) is the fraction of the completion's characters that are the letter, so
-random sampling scores about ``1 / vocabulary`` and the best policy 1.0. The letter varies with the
-prompt (its last characters show it), so the policy must read the prompt: a policy that always says the
-same letter scores ``1 / len(LETTERS)``. ``examples/grpo_toy.toml`` trains it;
-``benchmarks/rl.py`` measures it. Measured so far: the mean reward rises from ~0.01 to ~0.25 in 20-30
-steps and stalls there (benchmarks/README.md).
+Prompt ``"bbbbb"`` (the letter repeated 3 or more times; the run length varies so that every record is
+distinct) with ``answer = "b"``; the reward (:func:`letter_fraction`) is the fraction of the
+completion's characters that are the letter, checked against the prompt's own ``answer`` column. Random
+sampling scores about ``1 / vocabulary`` (~0.004 with the 259-token byte vocabulary), the best policy 1.0.
+The letter varies with the prompt, so the policy must read it: one that always writes the same letter
+scores ``1 / len(LETTERS)``.
+
+Why the prompt is the bare letter run (measured, benchmarks/README.md "The toy task"): with a text prefix
+(``"Say b again and again (7): bbb"``) the last hidden state is dominated by the prefix every prompt
+shares, the policy collapses onto one letter for every prompt within 20 steps (entropy 5.5 -> 0.1 nats
+at inner lr 1e-2), the groups of the other letters then all score 0, have zero std and get zero
+advantage, and the mean reward stalls at 0.25. With the bare run, at inner lr 2e-3, GRPO learns to copy:
+from ~0.01 to >= 0.5 within about 40 inner steps of 4 prompts x G=8. ``examples/grpo_toy.toml`` trains it;
+``benchmarks/rl.py --compare`` measures DiLoCo-GRPO against synchronous GRPO on it.
 """
 
 from __future__ import annotations
@@ -21,11 +28,14 @@ LETTERS = "abcd"
 
 
 def toy_rows(n: int = 64, letters: str = LETTERS) -> list[dict[str, Any]]:
-    """``n`` prompt records, cycling through ``letters``."""
+    """``n`` distinct prompt records, cycling through ``letters``: record ``i`` is the letter
+    ``letters[i % len(letters)]`` repeated ``3 + i // len(letters)`` times."""
+    if n < 1 or not letters:
+        raise ValueError(f"toy_rows needs n >= 1 and at least one letter (got n={n}, letters={letters!r})")
     rows = []
     for i in range(n):
         letter = letters[i % len(letters)]
-        rows.append({"prompt": f"Say {letter} again and again ({i}): {letter * 3}", "answer": letter})
+        rows.append({"prompt": letter * (3 + i // len(letters)), "answer": letter})
     return rows
 
 
