@@ -60,6 +60,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from time_to_loss import (  # noqa: E402  (benchmarks/ on the path, as when run as a script)
+    ROUND_TRIPS,
     RUN_ENV,
     StoreSite,
     _compute_share,
@@ -294,12 +295,21 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     ratio = b_hit[0] / a_hit[0] if a_hit and b_hit else None
     out: dict[str, Any] = {"threshold": target, "a_time_to": a_hit, "b_time_to": b_hit, "b_over_a_wall": ratio,
                            "target_wall": {"max": 0.7, "met": ratio is not None and ratio <= 0.7}}  # fmt: skip
+    # (a)'s floor: its steps at (b)'s compute per inner step plus ROUND_TRIPS sequential first bytes each, i.e. a
+    # store and proxy that take no CPU from the replicas (on 2 cores they do) and an exchange at its latency floor
+    per_step = None
+    if res["preset"] is not None:
+        per_step = b["compute_s_per_step"] + ROUND_TRIPS * res["preset"]["first_byte_ms"] / 1000 / res["scale"]
+        out["a_floor_s_per_step"] = per_step
+    out["b_over_a_floor"] = b_hit[0] / (a_hit[1] * per_step) if per_step and a_hit and b_hit else None
     # (a)'s final reward can be the task's maximum, where one eval's noise decides; lower thresholds too
     out["other_thresholds"] = []
     for level in OTHER_THRESHOLDS:
         a_at, b_at = time_to(a["eval_curve"], level), time_to(b["eval_curve"], level)
         out["other_thresholds"].append({"threshold": level, "a_time_to": a_at, "b_time_to": b_at,
-                                        "b_over_a_wall": b_at[0] / a_at[0] if a_at and b_at else None})  # fmt: skip
+                                        "b_over_a_wall": b_at[0] / a_at[0] if a_at and b_at else None,
+                                        "b_over_a_floor": b_at[0] / (a_at[1] * per_step)
+                                        if per_step and a_at and b_at else None})  # fmt: skip
     rounds_t = res["setup"]["steps"] // res["setup"]["sync_every"]
     for key, arm in (("a", a), ("b", b)):
         rewards = arm["train_reward_per_round"][:rounds_t]  # (b) at equal rollouts: its first T steps
@@ -346,15 +356,20 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"{label:<16}{hit_s:>8}{hit_n:>7}{arm['wall_s']:>9.1f}{_mb(arm['bytes_up'] + arm['bytes_down']):>10}"
               f"{sp['generation_s']:>8.1f}{sp['train_s']:>9.1f}{sp['exchange_s']:>8.1f}"
               f"{100 * sp['generation_s'] / busy:>6.1f}%")
-    print(f"{'threshold':<16}{'(a) wall s':>11}{'(a) steps':>10}{'(b) wall s':>11}{'(b) steps':>10}{'(b)/(a)':>9}")
+    print(f"{'eval reward':<16}{'(a) wall s':>11}{'(a) steps':>10}{'(b) wall s':>11}{'(b) steps':>10}{'(b)/(a)':>9}"
+          f"{'(b)/floor':>11}")  # fmt: skip
     rows = [{"threshold": summ["threshold"], "a_time_to": summ["a_time_to"], "b_time_to": summ["b_time_to"],
-             "b_over_a_wall": summ["b_over_a_wall"]}, *summ["other_thresholds"]]  # fmt: skip
+             "b_over_a_wall": summ["b_over_a_wall"], "b_over_a_floor": summ["b_over_a_floor"]},
+            *summ["other_thresholds"]]  # fmt: skip
     for k, row in enumerate(rows):
-        a_at, b_at, r = row["a_time_to"], row["b_time_to"], row["b_over_a_wall"]
+        a_at, b_at, r, fl = row["a_time_to"], row["b_time_to"], row["b_over_a_wall"], row["b_over_a_floor"]
         name = f"{row['threshold']:.3f}" + (" (a) final" if k == 0 else "")
         print(f"{name:<16}{'-' if a_at is None else f'{a_at[0]:.1f}':>11}{'-' if a_at is None else a_at[1]:>10}"
               f"{'-' if b_at is None else f'{b_at[0]:.1f}':>11}{'-' if b_at is None else b_at[1]:>10}"
-              f"{'-' if r is None else f'{r:.3f}x':>9}")  # fmt: skip
+              f"{'-' if r is None else f'{r:.3f}x':>9}{'-' if fl is None else f'{fl:.3f}x':>11}")  # fmt: skip
+    if summ.get("a_floor_s_per_step"):
+        print(f"(a) floor: (a)'s steps to the threshold x {summ['a_floor_s_per_step']:.3f} s ((b)'s compute per inner "
+              f"step + {ROUND_TRIPS} sequential first bytes): a store that costs the replicas no CPU")  # fmt: skip
     ratio = summ["b_over_a_wall"]
     print("(wall s/steps: to the threshold; T-step s, MB moved (up + down, all replicas) and gen/train/exch s (per "
           "replica; exch = blocked on the store): the first T steps)")

@@ -45,3 +45,31 @@ def test_grpo_toy_example_runs_locally(tmp_path: Path) -> None:
             assert math.isfinite(m["total"]) and math.isfinite(m["rl_entropy"])
     assert status.eval_loss is not None and -1.0 <= status.eval_loss <= 0.0
     assert (run_dir / "final" / "DONE.json").is_file()
+
+
+def test_grpo_toy_example_raises_the_reward(tmp_path: Path) -> None:
+    """The example as a user launches it (only its store and prompt file moved under tmp_path): the replicas'
+    mean training reward rises well above where it started, and the held-out reward follows."""
+    example = REPO_ROOT / "examples" / "grpo_toy.toml"
+    cfg = RunConfig.load(example, [
+        f"store={json.dumps(str(tmp_path / 'runs'))}", 'run_id="grpo-toy-learns"',
+        f"data.source={json.dumps(str(REPO_ROOT / 'examples' / 'grpo_toy.jsonl'))}",
+    ])  # fmt: skip
+    run = launch(cfg, executor="local", executor_options={"retries": 0})
+    run_dir = tmp_path / "runs" / "grpo-toy-learns"
+    try:
+        status = run.wait(poll_interval_s=1.0, timeout_s=900)
+    except BaseException as exc:
+        logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((run_dir / "logs").glob("*.log")))
+        raise AssertionError(f"{exc}\n{logs}") from exc
+    assert status.state == "succeeded"
+    metrics = run.metrics()
+    per_round = [
+        sum(recs[r]["reward_mean"] for recs in metrics.values()) / len(metrics) for r in range(cfg.rounds)
+    ]
+    first, last = per_round[0], max(per_round[-2:])
+    # random sampling scores ~1/259 per character; a policy that learned nothing stays there. The rise asked
+    # for is a quarter of the possible gain (the benchmark measures half or more: benchmarks/README.md)
+    assert last - first >= 0.25 * (1.0 - first), per_round
+    evals = [-m["eval_loss"] for m in metrics[0] if "eval_loss" in m]
+    assert len(evals) >= 2 and evals[-1] > evals[0], evals
