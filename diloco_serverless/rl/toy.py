@@ -14,8 +14,8 @@ the policy's entropy falls from 5.5 to 0.1 nats within 20 inner steps, onto one 
 get zero advantage, so nothing can teach the policy to read the prompt. At lr 2e-3-3e-3 the entropy falls
 slowly enough for GRPO to learn to copy, and without the prefix (text every prompt shares, so probably a
 large common part of the last hidden state) it learns faster. One process, 4 prompts x G=8 per step, mean
-reward over steps 50-59: 0.29 with the prefix (lr 3e-3; 0.44 over steps 70-79), 0.59-0.90 without (lr
-2e-3 and 3e-3, 4 runs). ``examples/grpo_toy.toml`` trains it;
+reward over steps 50-59: 0.29 with the prefix (lr 3e-3; 0.44 over steps 70-79), 0.59-0.77 without (lr
+2e-3 and 3e-3, 3 runs; ``benchmarks/rl_toy.py``). ``examples/grpo_toy.toml`` trains it;
 ``benchmarks/rl.py --compare`` measures DiLoCo-GRPO against synchronous GRPO on it.
 """
 
