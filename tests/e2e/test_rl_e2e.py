@@ -71,5 +71,6 @@ def test_grpo_toy_example_raises_the_reward(tmp_path: Path) -> None:
     # random sampling scores ~1/259 per character; a policy that learned nothing stays there. The rise asked
     # for is a quarter of the possible gain (the benchmark measures half or more: benchmarks/README.md)
     assert last - first >= 0.25 * (1.0 - first), per_round
-    evals = [-m["eval_loss"] for m in metrics[0] if "eval_loss" in m]
-    assert len(evals) >= 2 and evals[-1] > evals[0], evals
+    evals = [-m["eval_loss"] for m in metrics[0] if "eval_loss" in m]  # held-out prompts, rounds 3 and 7
+    assert len(evals) >= 2 and evals[-1] >= evals[0], evals
+    assert evals[-1] - first >= 0.25 * (1.0 - first), (evals, per_round)
