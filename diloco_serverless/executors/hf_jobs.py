@@ -37,7 +37,9 @@ requirements from the index (``torch`` pinned to the launcher's version, replaci
 ``_package.job_requirements``), fetches the wheel with the run's storage credentials, checks its
 SHA-256 against the one in the Job's command (``_fetch_code.py``) and ``pip install``s it with
 ``extras``. ``install="<pip requirement>"`` installs that instead (e.g. a published release), and
-``install=None`` runs an image that already has the package.
+``install=None`` runs an image that already has the package. An RL run's own reward modules
+(:meth:`HFJobsExecutor.set_user_modules`, resolved by the launcher) go into the same wheel as top-level
+modules, so they are installed, checked and versioned with the package.
 """
 
 from __future__ import annotations

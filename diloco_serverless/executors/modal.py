@@ -16,10 +16,12 @@ source of the running package (``Image.add_local_python_source``, which works fo
 for an installed package in site-packages, pipx or ``uv tool`` alike): every replica runs the code
 that launched it. Installing a published release instead is explicit: ``local_source=False`` pip-installs
 ``diloco-serverless[<extras>]==<this version>``, ``package=`` names any pip requirement, or pass
-your own ``image``. Launches run inside ``modal.enable_output()`` (``show_output=True``), so the first
-image build shows its progress. Storage credentials reach the containers only through Modal
-Secrets that you create and name in ``secrets`` (``modal secret create ...``): credential-looking
-variables in ``env`` are dropped with a warning instead of being sent.
+your own ``image``. An RL run's own reward modules (:meth:`ModalExecutor.set_user_modules`) are added
+to whichever image at ``/root/<name>`` (:func:`add_user_modules`). Launches run inside
+``modal.enable_output()`` (``show_output=True``), so the first image build shows its progress.
+Storage credentials reach the containers only through Modal Secrets that you create and name in
+``secrets`` (``modal secret create ...``): credential-looking variables in ``env`` are dropped with a
+warning instead of being sent.
 
 Failure mapping: a replica exiting non-zero raises ReplicaProcessError remotely; Modal retries it
 (``modal.Retries``, also after preemption) and reports ``failed`` once retries are exhausted, with

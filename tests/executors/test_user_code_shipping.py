@@ -61,10 +61,18 @@ def _imported_from(log: str, module: str) -> Path:
     return Path(found[0])
 
 
-def _check_round(run: object, module: str) -> None:
+def _check_round(run: object, status: object) -> None:
+    """The round's metrics carry the module's constant reward, and so do the replica's heartbeat and
+    ``diloco status`` (read back from the store)."""
+    from diloco_serverless.cli.render import rl_line
+
     (records,) = run.metrics().values()  # type: ignore[attr-defined]
     (record,) = records
     assert record["reward_mean"] == pytest.approx(0.25) and record["reward/quarter/mean"] == pytest.approx(0.25)
+    rl = status.rl  # type: ignore[attr-defined]
+    assert rl is not None and rl["reward_mean"] == pytest.approx(0.25) and rl["reward/quarter/mean"] == 0.25
+    assert rl["completion_length"] == pytest.approx(record["completion_length"])
+    assert (rl_line(status) or "").startswith("RL: reward 0.250 ± 0.000 | completion ")  # type: ignore[arg-type]
 
 
 def test_modal_replicas_import_the_reward_module_from_the_image_mount(
@@ -94,7 +102,7 @@ def test_modal_replicas_import_the_reward_module_from_the_image_mount(
         assert where.read_text() == REWARD_MODULE
         mounted = {f for files in srv.mount_files.values() for f, _, _ in files}
         assert f"/root/{module}.py" in mounted and "/root/diloco_serverless/__init__.py" in mounted
-    _check_round(run, module)
+    _check_round(run, status)
 
 
 def test_hf_jobs_install_the_reward_module_with_the_shipped_wheel(
@@ -125,5 +133,5 @@ def test_hf_jobs_install_the_reward_module_with_the_shipped_wheel(
         assert ex.shipped_code is not None and ex.user_modules[0].name == module
     finally:
         room.close()
-    _check_round(run, module)
+    _check_round(run, status)
 
