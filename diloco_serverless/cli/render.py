@@ -30,6 +30,7 @@ from diloco_serverless.launcher.status import (
     SUCCEEDED,
     RunStatus,
 )
+from diloco_serverless.run.rl_metrics import per_function
 
 _STATE_STYLE = {SUCCEEDED: "green", FAILED: "bold red", RUNNING: "cyan", STALE: "yellow",
                 "cancelled": "magenta", "pending": "dim", STARTING: "blue", CONTINUE: "yellow"}
@@ -175,6 +176,8 @@ def status_renderable(status: RunStatus, notes: Sequence[str] = ()) -> Group:
     """Table plus totals, the model location once it exists, and a ``note:`` line for each thing that
     could not be read (a heartbeat field of the wrong type, the ``notes`` given, e.g. bad metrics)."""
     items: list[Any] = [replica_table(status), text(totals_line(status))]
+    if (table := rl_table(status)) is not None:  # an RL run: reward, completion length, KL, ... per replica
+        items += [table, text(rl_line(status) or "")]
     if status.final_url:
         items.append(text(f"model: {status.final_url}", style="green"))
     items.extend(text(line, style="yellow") for line in note_lines([*status.notes, *notes]))
@@ -208,6 +211,8 @@ def summary_lines(status: RunStatus) -> list[str]:
         f"  model           : {status.final_url or '(no final model written)'}",
         f"  run             : {status.url}",
     ]
+    if (rl := rl_line(status)) is not None:
+        lines.insert(3, f"  last round      : {rl}")
     for rank, reason in status.failures:
         lines.append(f"  rank {rank} failed: {reason}")
     return [plain(line) for line in lines] + note_lines(status.notes)
@@ -226,3 +231,67 @@ def runs_table(rows: Iterable[Mapping[str, Any]], store_url: str) -> Table:
             text(fmt_loss(row.get("loss"))),
         )
     return table
+
+
+# ------------------------------------------------------------------------------- RL runs
+# ``diloco status`` for an RL run: a compact table of each replica's last round (reward mean ± std and per
+# reward function, completion length, KL, entropy, clip fraction, generation share of the round, from the
+# heartbeats) and one line of the same numbers averaged over the replicas; nothing for a supervised run.
+
+#: most reward functions shown by name (the rest: the combined reward only)
+MAX_FUNCTIONS = 4
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _reward(summary: Mapping[str, float]) -> str:
+    mean, std = summary.get("reward_mean"), summary.get("reward_std")
+    if mean is None:
+        return "-"
+    return f"{mean:.3f} ± {std:.3f}" if std is not None else f"{mean:.3f}"
+
+
+def _functions(summary: Mapping[str, float]) -> str:
+    parts = [f"{name} {mean:.3f}" for name, (mean, _std) in list(per_function(summary).items())[:MAX_FUNCTIONS]]
+    return ", ".join(parts) or "-"
+
+
+def rl_table(status: RunStatus) -> Table | None:
+    """One row per replica that reports RL numbers (its last round); None for a supervised run."""
+    rows = [r for r in status.replicas if r.rl]
+    if not rows:
+        return None
+    table = Table(title=text("RL, last round per replica"), title_justify="left")
+    for col, justify in [("rank", "right"), ("round", "right"), ("reward", "right"), ("per function", "left"),
+                         ("completion", "right"), ("KL", "right"), ("entropy", "right"), ("clip", "right"),
+                         ("generation", "right")]:
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in rows:
+        rl = r.rl or {}
+        table.add_row(
+            text(r.rank), text("-" if r.round is None else r.round), text(_reward(rl)),
+            text(_functions(rl), limit=80), text(_num(rl.get("completion_length"), ".1f")),
+            text(_num(rl.get("rl_kl"), ".3g")), text(_num(rl.get("rl_entropy"), ".3f")),
+            text(_pct(rl.get("rl_clip_fraction"))), text(_pct(rl.get("generation_share"))),
+        )
+    return table
+
+
+def rl_line(status: RunStatus) -> str | None:
+    """``RL: reward 0.412 ± 0.210 | completion 37.5 tokens | KL 0.0012 | entropy 1.234 | clip 2.1% |
+    generation 61.0% of the round`` (the replicas' last rounds, averaged); None for a supervised run."""
+    rl = status.rl
+    if rl is None:
+        return None
+    parts = [
+        f"reward {_reward(rl)}", f"completion {_num(rl.get('completion_length'), '.1f')} tokens",
+        f"KL {_num(rl.get('rl_kl'), '.3g')}", f"entropy {_num(rl.get('rl_entropy'), '.3f')}",
+        f"clip {_pct(rl.get('rl_clip_fraction'))}", f"generation {_pct(rl.get('generation_share'))} of the round",
+    ]
+    return plain("RL: " + " | ".join(parts))

@@ -16,8 +16,13 @@ ranks, and rank ``r`` reads its shard in a seeded shuffled order per epoch: prom
 a pure function of ``(seed, rank, i)``, so the ``position`` (prompts consumed) is the whole state,
 exactly like the other ExampleSource formats.
 
-Failure: :class:`DataError` naming the record (``<source>:<line>`` or ``row <i>``), the column and
-the problem.
+Bad rows: a row that is not usable (a line that is not JSON or not an object, no prompt column, a
+prompt that is neither a string nor a list of messages, or one that renders to no tokens) is skipped,
+counted (``bad_rows``, the ``data_bad_rows`` metric) and named (``<source>:<line>`` or ``row <i>``) in
+a warning, like the other formats (:mod:`.bad_rows`). The rows are checked when the source is read,
+and the fraction judged on all of them (a DataError naming examples past ``data.max_bad_fraction``);
+a prompt that cannot be rendered is found when it is first used, gives way to the next usable one in
+the same order (so resume stays exact) and is counted then.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 import fsspec
 
 from diloco_serverless.config import DataConfig, RunConfig
+from diloco_serverless.data.bad_rows import BadRows
 from diloco_serverless.data.examples import DataError, example_rng
 from diloco_serverless.data.formats import row_fraction
 from diloco_serverless.data.stdlib import shard_for_rank, split_train_eval
@@ -83,7 +89,8 @@ def render_prompt(tokenizer: Any, prompt: str | Messages, max_tokens: int, where
     return ids[-max_tokens:]
 
 
-def _read_jsonl(url: str, storage_options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def _read_jsonl(url: str, storage_options: dict[str, Any], bad: BadRows) -> list[tuple[str, dict[str, Any]]]:
+    """The JSON objects of a ``.jsonl`` file; a line that is not one is counted in ``bad`` and skipped."""
     try:
         with fsspec.open(url, "rt", encoding="utf-8", **storage_options) as fh:
             lines = fh.read().splitlines()
@@ -96,9 +103,11 @@ def _read_jsonl(url: str, storage_options: dict[str, Any]) -> list[tuple[str, di
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{url}:{i}: not JSON ({exc.msg}); each line must be one JSON object") from None
+            bad.note(DataError(f"{url}:{i}: not JSON ({exc.msg}); each line must be one JSON object"))
+            continue
         if not isinstance(obj, dict):
-            raise DataError(f"{url}:{i}: must be a JSON object, got {type(obj).__name__}")
+            bad.note(DataError(f"{url}:{i}: must be a JSON object, got {type(obj).__name__}"))
+            continue
         rows.append((f"{url}:{i}", obj))
     return rows
 
@@ -134,6 +143,7 @@ class PromptSource:
         self.max_prompt_tokens = max_prompt_tokens
         col = data.columns.prompt
         opts = dict(storage_options or {})
+        self.bad_rows = BadRows(data.max_bad_fraction, f"prompt data {data.source}")
         if rows is not None:
             raw = [(f"rows[{i}]", dict(r)) for i, r in enumerate(rows)]
         elif data.source == "stdlib":
@@ -142,15 +152,16 @@ class PromptSource:
                 '("hf:openai/gsm8k", files, a saved dataset) whose rows have a prompt column'
             )
         elif data.source.endswith(".jsonl"):
-            raw = _read_jsonl(data.source, opts)
+            raw = _read_jsonl(data.source, opts, self.bad_rows)
         else:
             raw = _read_datasets(data, opts)
-        for where, row in raw:
-            if col not in row:
-                raise DataError(
-                    f"{where}: no prompt column {col!r} (columns: {sorted(row)}); set data.columns.prompt to the "
-                    "column that holds it"
-                )
+        raw = [(where, row) for where, row in raw if self._check_row(where, row)]
+        self.bad_rows.check(pass_done=True)  # every row is read: judged on all of them
+        if not raw:
+            raise DataError(
+                f"prompt data {data.source} has no usable prompt records ({self.bad_rows.bad} unusable rows; "
+                f"examples: {' | '.join(self.bad_rows.examples)})"
+            )
         keyed = {f"{i}:{row_fraction(row, [col])}": (i, where, row) for i, (where, row) in enumerate(raw)}
         train_keys, eval_keys = split_train_eval(list(keyed), data.eval_fraction)
         self.eval_rows = [(w, r) for _, w, r in sorted(keyed[k] for k in eval_keys)]
@@ -161,6 +172,37 @@ class PromptSource:
         if not self.eval_rows:
             raise DataError(f"prompt data {data.source} has 1 record; need at least 2 to hold one out for eval")
         self._perm: tuple[int, list[int]] = (-1, [])
+        #: ("train" | "eval", index) of the rows whose prompt cannot be rendered (counted once)
+        self._unusable: set[tuple[str, int]] = set()
+
+    def _check_row(self, where: str, row: dict[str, Any]) -> bool:
+        """True for a row with a usable prompt column; else counted as unusable and named."""
+        col = self.data.columns.prompt
+        try:
+            if col not in row:
+                raise DataError(
+                    f"{where}: no prompt column {col!r} (columns: {sorted(row)}); set data.columns.prompt to the "
+                    "column that holds it"
+                )
+            _messages(row[col], where, col)
+        except DataError as exc:
+            self.bad_rows.note(exc)
+            return False
+        self.bad_rows.good()
+        return True
+
+    def _usable(self, split: str, k: int) -> PromptRecord | None:
+        """Row ``k`` of ``split`` as a record, or None when its prompt cannot be rendered (counted once)."""
+        if (split, k) in self._unusable:
+            return None
+        rows = self.train_rows if split == "train" else self.eval_rows
+        try:
+            return self._record(*rows[k])
+        except DataError as exc:
+            self._unusable.add((split, k))
+            self.bad_rows.note(exc, read=False)  # the row was counted when the source was read
+            self.bad_rows.check(pass_done=True, cause=exc)
+            return None
 
     def _record(self, where: str, row: dict[str, Any]) -> PromptRecord:
         col = self.data.columns.prompt
@@ -169,18 +211,36 @@ class PromptSource:
         return PromptRecord(prompt, ids, {k: v for k, v in row.items() if k != col}, where)
 
     def train_record(self, index: int) -> PromptRecord:
-        """Prompt ``index`` of this rank: epoch ``index // n`` in a seeded shuffled order."""
+        """Prompt ``index`` of this rank: epoch ``index // n`` in a seeded shuffled order (a prompt that
+        cannot be rendered gives way to the next usable one in that order)."""
         n = len(self.train_rows)
         epoch, offset = divmod(index, n)
         if self._perm[0] != epoch:
             order = list(range(n))
             example_rng(self.seed, "prompt-epoch", self.rank, epoch).shuffle(order)
             self._perm = (epoch, order)
-        return self._record(*self.train_rows[self._perm[1][offset]])
+        order = self._perm[1]
+        for step in range(n):
+            record = self._usable("train", order[(offset + step) % n])
+            if record is not None:
+                return record
+        raise DataError(
+            f"prompt data {self.data.source}: none of rank {self.rank}'s {n} training prompts can be rendered; "
+            f"examples: {' | '.join(self.bad_rows.examples)}"
+        )
 
     def eval_record(self, index: int) -> PromptRecord:
-        """Held-out prompt ``index`` (the eval records in source order, cycling)."""
-        return self._record(*self.eval_rows[index % len(self.eval_rows)])
+        """Held-out prompt ``index`` (the eval records in source order, cycling; a prompt that cannot be
+        rendered gives way to the next usable one)."""
+        m = len(self.eval_rows)
+        for step in range(m):
+            record = self._usable("eval", (index + step) % m)
+            if record is not None:
+                return record
+        raise DataError(
+            f"prompt data {self.data.source}: none of its {m} held-out prompts can be rendered; "
+            f"examples: {' | '.join(self.bad_rows.examples)}"
+        )
 
 
 class PromptBatcher:

@@ -33,6 +33,7 @@ from packaging.requirements import Requirement
 
 from diloco_serverless.config import tomllib
 from diloco_serverless.executors.base import ExecutorUnavailable
+from diloco_serverless.executors.user_code import UserModule
 
 #: The folder of the imported ``diloco_serverless`` package: what remote replicas get (tests point it elsewhere).
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -218,18 +219,26 @@ def _metadata_text(meta: ProjectMetadata, version: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_wheel(package_dir: Path | None = None) -> LocalWheel:
-    """A pure-Python wheel of the package at ``package_dir`` (default: the running one).
+def build_wheel(package_dir: Path | None = None, *, user_modules: Sequence[UserModule] = ()) -> LocalWheel:
+    """A pure-Python wheel of the package at ``package_dir`` (default: the running one), with the
+    user's ``user_modules`` (reward functions named by import path) as top-level modules beside it.
 
     Deterministic: the same files and metadata give the same bytes. The version is the declared
     one with the local label ``+src.<first 12 hex of the content hash>``, so pip never mistakes it
-    for a published release and the installed version names the code.
+    for a published release and the installed version names the code (the user's modules included).
     """
     package_dir = Path(package_dir or PACKAGE_DIR)
     if not (package_dir / "__init__.py").is_file():
         raise ExecutorUnavailable(f"cannot ship {IMPORT_NAME}: {package_dir} is not a Python package folder")
     meta = project_metadata(package_dir)
     files = [(arc, path.read_bytes()) for arc, path in _package_files(package_dir)]
+    taken = {arc.split("/", 1)[0] for arc, _ in files}
+    for module in user_modules:
+        if module.name in taken or f"{module.name}.py" in taken or module.name == IMPORT_NAME:
+            raise ExecutorUnavailable(f"cannot ship the user's {module.describe()}: the name is already in the wheel")
+        files += [(arc, path.read_bytes()) for arc, path in module.files()]
+        taken.add(module.name)
+    files.sort()
     content = hashlib.sha256()
     for arc, data in files:
         content.update(arc.encode() + b"\0" + hashlib.sha256(data).digest())

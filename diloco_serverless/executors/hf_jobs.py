@@ -37,12 +37,15 @@ requirements from the index (``torch`` pinned to the launcher's version, replaci
 ``_package.job_requirements``), fetches the wheel with the run's storage credentials, checks its
 SHA-256 against the one in the Job's command (``_fetch_code.py``) and ``pip install``s it with
 ``extras``. ``install="<pip requirement>"`` installs that instead (e.g. a published release), and
-``install=None`` runs an image that already has the package.
+``install=None`` runs an image that already has the package. An RL run's own reward modules
+(:meth:`HFJobsExecutor.set_user_modules`, resolved by the launcher) go into the same wheel as top-level
+modules, so they are installed, checked and versioned with the package.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shlex
@@ -79,6 +82,9 @@ from diloco_serverless.executors.base import (
     split_secret_env,
 )
 from diloco_serverless.executors.credentials import gcs_key_secret
+from diloco_serverless.executors.user_code import UserModule
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_IMAGE = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
 #: ``install`` value that ships the running package's code (the default).
@@ -211,6 +217,8 @@ class HFJobsExecutor:
         self.retries, self.install, self.poll_interval_s = retries, install, poll_interval_s
         self.extras = tuple(extras)
         self._code_uploader: CodeUploader | None = None
+        #: the user's modules (reward functions) shipped in the wheel with the package (:meth:`set_user_modules`)
+        self.user_modules: tuple[UserModule, ...] = ()
         #: what the last launch shipped (None before, or when ``install`` is not "local")
         self.shipped_code: ShippedCode | None = None
         #: outcomes of COMPLETED Jobs once read (a finished Job's log does not change)
@@ -297,14 +305,21 @@ class HFJobsExecutor:
         writes ``<run>/code/<filename>`` in the run's store) and returns the URL replicas read it from."""
         self._code_uploader = uploader
 
+    def set_user_modules(self, modules: Sequence[UserModule]) -> None:
+        """The user's own modules the replicas import (``rl.reward_funcs``; the launcher resolves them,
+        :func:`~diloco_serverless.executors.user_code.resolve_user_modules`): with ``install="local"``
+        they go into the shipped wheel as top-level modules, installed with the package in every Job."""
+        self.user_modules = tuple(modules)
+
     def ship_code(self) -> ShippedCode:
-        """Build the wheel of the running package and upload it; ExecutorUnavailable without an uploader."""
+        """Build the wheel of the running package (with :attr:`user_modules`) and upload it;
+        ExecutorUnavailable without an uploader."""
         if self._code_uploader is None:
             raise ExecutorUnavailable(
                 "hf-jobs executor: install='local' ships this package's code through the run's store, but no code "
                 "uploader is set (diloco launch sets one; from Python call executor.set_code_uploader(fn)); or pass "
                 "install='<pip requirement>' / install=None for an image that has the package")
-        wheel = build_wheel()
+        wheel = build_wheel(user_modules=self.user_modules)
         url = self._code_uploader(wheel.filename, wheel.data)
         if not isinstance(url, str) or not url:
             raise ExecutorError(f"hf-jobs executor: the code uploader returned {url!r}, not a URL of {wheel.filename}")
@@ -368,6 +383,9 @@ class HFJobsExecutor:
         secrets = {**self._secrets, **secret}
         run_id = run_id_from_url(run_url_from(env, entrypoint_args)) or "unnamed"
         code = self.ship_code() if self.install == LOCAL_CODE else None
+        if code is None and self.user_modules:
+            logger.warning("hf-jobs executor: install=%r ships no code, so the replicas must already have %s",
+                           self.install, "; ".join(m.describe() for m in self.user_modules))
         self.shipped_code = code
         if code is not None:
             plain.update({CODE_URL_ENV: code.url, CODE_SHA256_ENV: code.sha256, CODE_VERSION_ENV: code.version})

@@ -62,6 +62,7 @@ from diloco_serverless.executors.base import (
     run_id_from_url,
     run_url_from,
 )
+from diloco_serverless.executors.user_code import UserModule
 
 SUPERVISOR_MODULE = "diloco_serverless.executors._supervisor"
 #: How long a supervisor with no command line may still look alive before it counts as foreign: an
@@ -153,6 +154,8 @@ class LocalProcessExecutor:
         self._launched: dict[tuple[int, int], tuple[Path, str | None]] = {}
         #: the run the handles belong to, when rebuilt by :meth:`from_handle` (trusted: the caller's)
         self._run_url: str | None = None
+        #: the user's modules the replicas import (:meth:`set_user_modules`)
+        self.user_modules: tuple[UserModule, ...] = ()
 
     @classmethod
     def from_handle(
@@ -174,6 +177,12 @@ class LocalProcessExecutor:
         return self.attempt_timeout_s
 
     # --- launch -----------------------------------------------------------------------------
+    def set_user_modules(self, modules: Sequence[UserModule]) -> None:
+        """The user's own modules the replicas import (``rl.reward_funcs``): replicas run on this machine,
+        so nothing is copied; the folders holding them go first on the replicas' ``PYTHONPATH`` (a module
+        found beside a launch script or on this process's ``sys.path`` imports in the replica as well)."""
+        self.user_modules = tuple(modules)
+
     def launch_replicas(
         self,
         n_replicas: int,
@@ -216,6 +225,9 @@ class LocalProcessExecutor:
         ]
         child_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
         child_env.update(REPLICA_RANK=str(rank), PYTHONUNBUFFERED="1")
+        roots = list(dict.fromkeys(str(m.root) for m in self.user_modules))
+        if roots:
+            child_env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [child_env.get("PYTHONPATH")])])
         if log_dir.is_symlink():  # a link planted as a file store's <run>/logs is never written through
             raise OSError(f"{log_dir} is a symbolic link; remove it (logs are never written through links)")
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)

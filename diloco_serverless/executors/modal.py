@@ -16,10 +16,12 @@ source of the running package (``Image.add_local_python_source``, which works fo
 for an installed package in site-packages, pipx or ``uv tool`` alike): every replica runs the code
 that launched it. Installing a published release instead is explicit: ``local_source=False`` pip-installs
 ``diloco-serverless[<extras>]==<this version>``, ``package=`` names any pip requirement, or pass
-your own ``image``. Launches run inside ``modal.enable_output()`` (``show_output=True``), so the first
-image build shows its progress. Storage credentials reach the containers only through Modal
-Secrets that you create and name in ``secrets`` (``modal secret create ...``): credential-looking
-variables in ``env`` are dropped with a warning instead of being sent.
+your own ``image``. An RL run's own reward modules (:meth:`ModalExecutor.set_user_modules`) are added
+to whichever image at ``/root/<name>`` (:func:`add_user_modules`). Launches run inside
+``modal.enable_output()`` (``show_output=True``), so the first image build shows its progress.
+Storage credentials reach the containers only through Modal Secrets that you create and name in
+``secrets`` (``modal secret create ...``): credential-looking variables in ``env`` are dropped with a
+warning instead of being sent.
 
 Failure mapping: a replica exiting non-zero raises ReplicaProcessError remotely; Modal retries it
 (``modal.Retries``, also after preemption) and reports ``failed`` once retries are exhausted, with
@@ -79,8 +81,10 @@ from diloco_serverless.executors.base import (
     split_secret_env,
 )
 from diloco_serverless.executors.credentials import storage_config_env
+from diloco_serverless.executors.user_code import MODAL_ROOT, UserModule
 
-__all__ = ["DIST_NAME", "ModalExecutor", "build_app", "default_image", "function_options", "normalize_gpu",
+__all__ = ["DIST_NAME", "ModalExecutor", "add_user_modules", "build_app", "default_image", "function_options",
+           "normalize_gpu",
            "package_requirements", "ships_local_source", "source_checkout_root"]
 
 logger = logging.getLogger(__name__)
@@ -169,6 +173,26 @@ def default_image(modal: Any, *, extras: Sequence[str] = ("s3", "gcs"), package:
         return image.pip_install(*job_requirements(extras)).add_local_python_source(IMPORT_NAME)
     spec = package or f"{DIST_NAME}[{','.join(extras)}]=={__version__}"
     return image.pip_install(spec)
+
+
+def add_user_modules(image: Any, modules: Sequence[UserModule]) -> Any:
+    """``image`` with the user's modules at ``/root/<name>`` (a file: ``Image.add_local_file``; a package
+    folder: ``Image.add_local_dir``, every file but dot-files, caches and bytecode), where
+    ``add_local_python_source`` puts this package: the containers' working directory, so the replica
+    (``python -m``) imports them by name. Mounted at container start (``copy=False``), as the package is."""
+    for module in modules:
+        logger.info("modal executor: shipping the user's %s to the image", module.describe())
+        if module.is_package:
+            image = image.add_local_dir(module.path, f"{MODAL_ROOT}/{module.name}", ignore=_not_shipped)
+        else:
+            image = image.add_local_file(module.path, f"{MODAL_ROOT}/{module.path.name}")
+    return image
+
+
+def _not_shipped(path: Path) -> bool:
+    """``add_local_dir``'s ignore predicate (a path relative to the folder): what
+    :meth:`UserModule.files` leaves out."""
+    return any(p.startswith(".") or p == "__pycache__" for p in path.parts) or path.suffix in (".pyc", ".pyo")
 
 
 def function_options(
@@ -296,6 +320,8 @@ class ModalExecutor:
         self.poll_interval_s, self.show_output = poll_interval_s, bool(show_output)
         #: first call id -> (latest call id, its index) of each rank's chain of calls seen so far
         self._chains: dict[str, tuple[str, int]] = {}
+        #: the user's modules (reward functions) added to the image (:meth:`set_user_modules`)
+        self.user_modules: tuple[UserModule, ...] = ()
 
     @classmethod
     def from_handle(cls, handle: ReplicaHandle, *, run_url: str | None = None, **options: Any) -> ModalExecutor:
@@ -319,14 +345,25 @@ class ModalExecutor:
         return float(self.timeout_s)
 
     # --- launch -----------------------------------------------------------------------------
+    def set_user_modules(self, modules: Sequence[UserModule]) -> None:
+        """The user's own modules the replicas import (``rl.reward_funcs``; the launcher resolves them,
+        :func:`~diloco_serverless.executors.user_code.resolve_user_modules`): each launch adds them to the
+        image (:func:`add_user_modules`, the default image or yours); a deployed App keeps its own image."""
+        self.user_modules = tuple(modules)
+
     def _function(self, run_id: str) -> tuple[Any, Any]:
         modal = self._modal
         if self.deployed_app:
+            if self.user_modules:
+                logger.warning("modal executor: the deployed App %r runs the image it was deployed with, so it must "
+                               "already have %s (redeploy from where they import, or launch without deployed_app)",
+                               self.deployed_app, "; ".join(m.describe() for m in self.user_modules))
             fn = modal.Function.from_name(self.deployed_app, FUNCTION_NAME, environment_name=self.environment_name)
             opts = function_options(modal, gpu=self.gpu, secrets=self.secrets, timeout_s=self.timeout_s,
                                     retries=self.retries)
             return None, fn.with_options(**opts)
         image = self.image if self.image is not None else default_image(modal, **self._image_options)
+        image = add_user_modules(image, self.user_modules)
         return build_app(modal, app_name=self.app_name or f"diloco-{run_id}", image=image, gpu=self.gpu,
                          secrets=self.secrets, timeout_s=self.timeout_s, retries=self.retries)
 

@@ -78,6 +78,7 @@ from diloco_serverless.launcher.status import (
     build_replica,
     run_state,
 )
+from diloco_serverless.launcher.user_modules import check_user_modules, hand_user_modules
 from diloco_serverless.run.bounded import get_bounded, get_many_bounded
 from diloco_serverless.run.final import InvalidFinal, read_done
 from diloco_serverless.run.integrity import load_local_key, new_run_key, save_local_key
@@ -475,6 +476,7 @@ class Run:
                 f"executor; resume on it (drop --executor), or `diloco cancel {self.url}` first to move the whole run"
             )
         billed = {r.rank: _own_billed(r, status.elapsed_s) for r in status.replicas if r.rank in chosen}
+        hand_user_modules(ex, check_user_modules(self.config))
         launch_id, started_at = new_launch_id(), time.time()
         _ship_code_through(self._store, ex)
         try:

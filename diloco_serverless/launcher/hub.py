@@ -35,6 +35,7 @@ from diloco_serverless.launcher.plot import Metrics, as_number, plot_losses
 from diloco_serverless.launcher.status import SUCCEEDED, RunStatus
 from diloco_serverless.run.final import InvalidFinal, read_done
 from diloco_serverless.run.layout import FINAL_PREFIX
+from diloco_serverless.run.rl_metrics import per_function, rl_rounds
 from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore
 
@@ -169,9 +170,47 @@ def base_model_id(cfg: RunConfig) -> str | None:
     return name
 
 
-def model_card(*, repo_id: str, cfg: RunConfig, status: RunStatus, tokens: int, has_plot: bool) -> str:
+def rl_rows(cfg: RunConfig, rounds: Mapping[int, Mapping[str, float]]) -> list[tuple[str, str]]:
+    """The model card's rows for an RL run (``loss.channel1`` grpo / dppo): the loss and its rewards, the
+    reward of the first and last round with RL numbers, and the last round's completion length, KL,
+    entropy, clip fraction and generation share (each averaged over the replicas); none for a supervised run."""
+    if cfg.loss.channel1 == "lm":
+        return []
+    rl = cfg.rl
+    loss = f"{cfg.loss.channel1} ({rl.loss_type})" if cfg.loss.channel1 == "grpo" else cfg.loss.channel1
+    funcs = ", ".join(f"`{_md(f)}`" for f in rl.reward_funcs)
+    rows = [("channel 1 (RL)", f"{loss}, G = {rl.num_generations} completions per prompt, "
+                               f"at most {rl.max_completion_length} tokens; rewards {funcs}")]
+    if not rounds:
+        return rows
+    first, last = min(rounds), max(rounds)
+    a, b = rounds[first], rounds[last]
+
+    def reward(summary: Mapping[str, float]) -> str:
+        mean, std = summary.get("reward_mean"), summary.get("reward_std")
+        return "-" if mean is None else f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}")
+
+    def num(key: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+        return "-" if b.get(key) is None else f"{format(scale * b[key], fmt)}{unit}"
+
+    rows += [
+        ("reward (mean over replicas)", f"{reward(a)} in round {first} → {reward(b)} in round {last}"),
+        *((f"reward `{_md(name)}`", f"{mean:.4f}" + ("" if std is None else f" ± {std:.4f}") + f" (round {last})")
+          for name, (mean, std) in per_function(b).items()),
+        ("completion length", num("completion_length", ".1f", unit=" tokens")),
+        ("KL to the initial model", num("rl_kl", ".4g")),
+        ("entropy", num("rl_entropy", ".4f")),
+        ("clip fraction", num("rl_clip_fraction", ".2f", 100.0, "%")),
+        ("generation share of a round", num("generation_share", ".1f", 100.0, "%")),
+    ]
+    return rows
+
+
+def model_card(*, repo_id: str, cfg: RunConfig, status: RunStatus, tokens: int, has_plot: bool,
+               rl: Mapping[int, Mapping[str, float]] | None = None) -> str:
     """The ``README.md`` pushed with the model: Hub metadata, what was trained on what, the run's
-    numbers, the loss plot, the config, and how to load it."""
+    numbers (an RL run's rewards, completion length, KL... from ``rl``, :func:`rl_rounds` of its
+    metrics), the loss plot, the config, and how to load it."""
     base = base_model_id(cfg)
     data = cfg.data
     dataset = data.source[len(HF_SOURCE_PREFIX):] if data.source.startswith(HF_SOURCE_PREFIX) else None
@@ -203,11 +242,13 @@ def model_card(*, repo_id: str, cfg: RunConfig, status: RunStatus, tokens: int, 
         ("rounds", f"{rounds}/{cfg.rounds} (H = {cfg.inner.sync_every} inner steps each)"),
         ("tokens trained", f"{tokens:,}"),
         ("bytes moved through the store", _bytes(status.bytes_moved)),
-        ("final eval loss", "-" if status.eval_loss is None else f"{status.eval_loss:.4f}"),
+        ("final eval loss", "-" if status.eval_loss is None else f"{status.eval_loss:.4f}"
+         + (" (minus the mean reward on held-out prompts)" if cfg.loss.channel1 != "lm" else "")),
         ("final train loss",
          "-" if status.loss is None else f"{status.loss:.4f} (compose_loss total, mean over replicas)"),
         ("wall time", _duration(status.elapsed_s)),
         ("run", f"`{_md(cfg.run_id)}`"),
+        *rl_rows(cfg, rl or {}),
     ]
     shown = {k: v for k, v in cfg.to_json_dict().items() if k not in _CARD_OMITS}
     lines = [
@@ -262,7 +303,8 @@ def push_final(store: ObjectStore, cfg: RunConfig, status: RunStatus, metrics: M
             has_plot = True
         except (ValueError, ImportError):
             pass  # no metrics (or no matplotlib): the card says what it can without the plot
-        card = model_card(repo_id=repo_id, cfg=cfg, status=status, tokens=tokens_trained(metrics), has_plot=has_plot)
+        card = model_card(repo_id=repo_id, cfg=cfg, status=status, tokens=tokens_trained(metrics), has_plot=has_plot,
+                          rl=rl_rounds(metrics))
         (folder / "README.md").write_text(card, encoding="utf-8")
         try:
             repo = api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)

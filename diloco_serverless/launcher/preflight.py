@@ -35,6 +35,7 @@ from diloco_serverless.executors.registry import (
 from diloco_serverless.launcher import pricing
 from diloco_serverless.launcher.credentials import check_replica_credentials
 from diloco_serverless.launcher.terraform import exchange_url_from_terraform
+from diloco_serverless.launcher.user_modules import check_user_modules, hand_user_modules
 from diloco_serverless.run.layout import RUN_JSON
 from diloco_serverless.run.record import store_policy
 from diloco_serverless.store.objectstore import ObjectStore
@@ -311,6 +312,7 @@ def check_launch(cfg: RunConfig, executor: ServerlessExecutor | str, *, gpu: str
                  trust_remote_code: bool = False, overwrite: bool = False) -> LaunchPlan:
     """Run every check; build the executor; return the plan. LaunchError on the first problem."""
     check_trust_remote_code(cfg, trust_remote_code)
+    user_modules = check_user_modules(cfg)
     if isinstance(executor, str):
         kind = executor
         gpu = check_executor_kind(kind, gpu)
@@ -338,6 +340,7 @@ def check_launch(cfg: RunConfig, executor: ServerlessExecutor | str, *, gpu: str
         raise LaunchError(f"cannot open store {cfg.store}: {one_line(str(e))}") from None
     probe_store(root)
     warnings = check_replica_credentials(root.url, root.protocol, built, endpoint=root.endpoint)
+    warnings += hand_user_modules(built, user_modules)
     try:
         leftovers = check_run_free(root, cfg.run_id, overwrite=overwrite)
     except StoreError as e:

@@ -34,6 +34,7 @@ from diloco_serverless.run.members import (
     HEARTBEAT_FIELDS,
     parse_heartbeat_field,
 )
+from diloco_serverless.run.rl_metrics import mean_over
 
 #: A replica's state in ``diloco status``: the executor's states (one definition, ReplicaStatus) ...
 PENDING, RUNNING = ReplicaStatus.PENDING.value, ReplicaStatus.RUNNING.value
@@ -103,6 +104,8 @@ class ReplicaReport:
     #: The state came from the replica's (unsigned) heartbeat alone, the executor not knowing the replica:
     #: shown, never acted on (``Run.wait`` neither restarts, nor ends on, such a state; docs/security.md).
     from_heartbeat: bool = False
+    #: An RL run's numbers of the rank's last round, from its heartbeat (:mod:`diloco_serverless.run.rl_metrics`).
+    rl: dict[str, float] | None = None
 
     @property
     def bytes_moved(self) -> int:
@@ -144,6 +147,13 @@ class RunStatus:
     @property
     def bytes_moved(self) -> int:
         return sum(r.bytes_moved for r in self.replicas)
+
+    @property
+    def rl(self) -> dict[str, float] | None:
+        """An RL run's numbers of the replicas' last rounds, each the mean over the replicas that report it;
+        None for a supervised run (no replica's heartbeat carries them)."""
+        summaries = [r.rl for r in self.replicas if r.rl]
+        return mean_over(summaries) if summaries else None
 
     @property
     def done(self) -> bool:
@@ -263,7 +273,7 @@ def build_replica(rank: int, executor: ExecutorState | None, heartbeat: Mapping[
             invalid.items(), key=lambda item: _FIELD_ORDER.get(item[0], -1))),
         attempts=None if starts is None else starts.attempts, started_age_s=started_age,
         billed_before_s=0.0 if starts is None else starts.billed_before_s,
-        from_heartbeat=_from_heartbeat(executor, heartbeat, starts, final, state),
+        from_heartbeat=_from_heartbeat(executor, heartbeat, starts, final, state), rl=values["rl"],
     )
 
 

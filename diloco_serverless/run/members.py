@@ -26,6 +26,7 @@ from diloco_serverless.run.layout import (
     metrics_key,
     metrics_prefix,
 )
+from diloco_serverless.run.rl_metrics import parse_rl
 from diloco_serverless.store.objectstore import ObjectStore
 
 __all__ = [
@@ -85,6 +86,10 @@ class Heartbeat:
     bytes_up: int | None = 0
     bytes_down: int | None = 0
     message: str | None = None
+    #: An RL run's numbers of the last round (:func:`~diloco_serverless.run.rl_metrics.rl_summary`:
+    #: reward mean/std, per function too, completion length, KL, entropy, clip fraction, generation
+    #: share); None (and not stored) for a supervised run or before the first round.
+    rl: dict[str, float] | None = None
     #: Field name -> why the stored value was unusable; set only by :meth:`from_json_dict`, never stored.
     invalid: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -92,6 +97,8 @@ class Heartbeat:
         d = asdict(self)
         if d["loss"] is not None and not math.isfinite(d["loss"]):
             d["loss"] = str(d["loss"])  # "nan"/"inf": keep it visible yet valid JSON
+        if d["rl"] is None:
+            d.pop("rl")
         invalid = d.pop("invalid")
         if invalid:
             d["invalid"] = invalid
@@ -188,7 +195,7 @@ def _message(v: Any) -> _Parsed:
 
 _FIELDS: dict[str, Any] = {
     "round": _count, "step": _count, "loss": _loss, "attempt": _count, "time": _timestamp,
-    "state": _state, "bytes_up": _count, "bytes_down": _count, "message": _message,
+    "state": _state, "bytes_up": _count, "bytes_down": _count, "message": _message, "rl": parse_rl,
 }
 #: The heartbeat fields besides ``rank``, in the order status reports problems with them.
 HEARTBEAT_FIELDS = tuple(_FIELDS)

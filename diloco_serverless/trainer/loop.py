@@ -82,6 +82,7 @@ from diloco_serverless.run.members import (
     metrics_bytes,
 )
 from diloco_serverless.run.record import load_run, store_policy, transfer_policy
+from diloco_serverless.run.rl_metrics import rl_summary
 from diloco_serverless.run.starts import LAUNCH_ID_ENV, write_start
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
@@ -913,6 +914,7 @@ class ReplicaTrainer:
             bytes_up=self.bytes_up,
             bytes_down=self.bytes_down,
             message=message if message is not None else self._note,
+            rl=rl_summary(self.metrics[-1]) if self.metrics else None,  # an RL run's last round: reward, KL, ...
         )
         try:
             self._reports().put(member_key(self.rank), heartbeat_bytes(hb))

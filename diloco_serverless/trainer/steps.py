@@ -112,8 +112,8 @@ class _RolloutPosition:
 
     @property
     def bad_rows(self) -> int:
-        """Rows skipped as unusable: none yet; the prompt reader stops on a bad row with a DataError naming it."""
-        return 0
+        """Prompt rows skipped as unusable so far (``data.max_bad_fraction``, :mod:`diloco_serverless.data.prompts`)."""
+        return self.prompts.source.bad_rows.bad
 
     def prompt_position(self) -> int:
         return (self.step_index // self.iterations) * self.prompts.data.batch_size

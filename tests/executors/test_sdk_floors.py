@@ -48,6 +48,8 @@ SDK_USED: dict[str, dict[str, tuple[str, ...]]] = {
         "Image.debian_slim": ("python_version",),
         "Image.pip_install": (),
         "Image.add_local_python_source": (),
+        "Image.add_local_file": (),  # the user's reward modules (modal.add_user_modules)
+        "Image.add_local_dir": ("ignore",),
         "Secret.from_name": ("environment_name",),
         "Secret.hydrate": (),  # preflight looks each named Secret up (modal.lookup_secrets)
         "Retries": ("max_retries", "backoff_coefficient", "initial_delay"),
@@ -94,6 +96,7 @@ INTRODUCED_IN: dict[str, dict[str, str]] = {
         "Function.with_options  (deployed_app launches)": "1.4.3",
         "App.function(include_source=)": "1.0.0",
         "Image.add_local_python_source": "0.67.28",
+        "Image.add_local_file / add_local_dir(ignore=)  (the user's reward modules)": "0.66.40",
     },
     "huggingface_hub": {
         "HfApi.run_job(attempts=)  (retries)": "2.1.1",
@@ -163,7 +166,7 @@ def test_every_sdk_attribute_and_keyword_the_executors_use_exists(dist: str) -> 
 
 
 _MODAL_PATTERNS = [(r"\bmodal\.((?:[A-Z]\w*|enable_output)(?:\.\w+)?)", ""), (r"\bexc_mod\.(\w+)", "exception."),
-                   (r"self\._modal\.(\w+(?:\.\w+)?)", "")]
+                   (r"self\._modal\.(\w+(?:\.\w+)?)", ""), (r"\bimage\.(add_\w+)", "Image.")]
 _HUB_PATTERNS = [(r"(?<![.\w])hub\.(\w+(?:\.\w+)?)", ""), (r"self\._api\.(\w+)", "HfApi."), (r"_hf\(\)\.(\w+)", ""),
                  (r"\bapi\.(create_repo|upload_folder)\b", "HfApi."), (r"from huggingface_hub import (\w+)", "")]
 #: distribution -> (every module that touches the SDK, the patterns of its uses)

@@ -2,8 +2,9 @@
 
 The references below are plain Python loops over rows and tokens (floats, ``math``), written from
 TRL 1.16's ``GRPOTrainer._compute_loss`` / advantage code and PRIME-RL's ``default_loss_fn``; they do
-not call the functions under test. An optional test runs TRL's own ``_compute_loss`` when ``trl`` is
-importable (it is not a dependency).
+not call the functions under test. The ``*_trl`` tests also run TRL's own ``_compute_loss`` and
+``nanstd``: ``trl`` is in the dev extra (pinned to 1.16.0 in constraints.txt, so CI runs them); without it
+they skip.
 """
 
 from __future__ import annotations

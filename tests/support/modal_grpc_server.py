@@ -20,7 +20,12 @@ call runs in a container of its own: a subprocess (``tests/support/modal_contain
 deserialises the call's inputs, runs the function registered for it (the real ``run_replica_process``),
 with this server as its Modal and the input's id as its current input, so that a call spawned there
 (the next call of a chain) is the input's child, as on Modal; its output is the call's log and its
-return value or exception the call's result.
+return value or exception the call's result. With ``mounts=True`` as well the server keeps the files
+the SDK uploads (``MountBatchedCheckExistence`` names every file it has not seen missing, so the SDK
+sends each one with ``MountPutFile``) and each container starts in a folder of its own where the
+function's mounts (``Function.mount_ids``: the image's ``add_local_*`` layers) are laid out by their
+remote paths, its working directory standing for ``/root``: what the container imports from there is
+what the launcher sent.
 
 What is Modal's server behaviour and not the SDK's is modelled as the SDK's source and docs describe it:
 ``FunctionGetOutputs`` with a timeout of 0 returns no output and ``num_unfinished_inputs=1`` while the
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import subprocess
 import sys
@@ -82,8 +88,12 @@ class ModalCall:
 class FakeModalServer:
     """``with FakeModalServer() as srv``: Modal's API on ``srv.url``; see the module docstring."""
 
-    def __init__(self, *, execute: bool = False, container_env: dict[str, str] | None = None) -> None:
-        self.execute, self.container_env = execute, dict(container_env or {})
+    def __init__(self, *, execute: bool = False, container_env: dict[str, str] | None = None,
+                 mounts: bool = False) -> None:
+        self.execute, self.container_env, self.mounts = execute, dict(container_env or {}), mounts
+        #: uploaded file contents by SHA-256, and each mount's files ``(remote path, sha256, mode)`` (``mounts=True``)
+        self.blobs: dict[str, bytes] = {}
+        self.mount_files: dict[str, list[tuple[str, str, int]]] = {}
         #: the Modal Secrets the workspace has (None: any name looked up exists)
         self.secrets: set[str] | None = None
         self.requests: list[tuple[str, Any]] = []
@@ -254,11 +264,25 @@ class FakeModalServer:
             result=api_pb2.GenericResult(status=api_pb2.GenericResult.GENERIC_STATUS_SUCCESS))
 
     def rpc_MountGetOrCreate(self, req: Any) -> Any:  # noqa: N802
-        return api_pb2.MountGetOrCreateResponse(mount_id=self._next("mo"),
-                                                handle_metadata=api_pb2.MountHandleMetadata())
+        mount_id = self._next("mo")
+        with self.lock:
+            self.mount_files[mount_id] = [(f.filename, f.sha256_hex, f.mode) for f in req.files]
+        return api_pb2.MountGetOrCreateResponse(mount_id=mount_id, handle_metadata=api_pb2.MountHandleMetadata())
+
+    def rpc_MountBatchedCheckExistence(self, req: Any) -> Any:  # noqa: N802
+        with self.lock:
+            missing = [h for h in req.sha256_hex_hashes if h not in self.blobs] if self.mounts else []
+        return api_pb2.MountBatchedCheckExistenceResponse(missing_sha256_hex_hashes=missing)
 
     def rpc_MountPutFile(self, req: Any) -> Any:  # noqa: N802
-        return api_pb2.MountPutFileResponse(exists=True)
+        if not self.mounts:
+            return api_pb2.MountPutFileResponse(exists=True)
+        if req.data_blob_id:
+            raise GRPCError(Status.UNIMPLEMENTED, "the fake Modal server keeps no blobs (files over the SDK's limit)")
+        with self.lock:
+            if hashlib.sha256(req.data).hexdigest() == req.sha256_hex:  # an empty file too
+                self.blobs[req.sha256_hex] = bytes(req.data)
+            return api_pb2.MountPutFileResponse(exists=req.sha256_hex in self.blobs)
 
     def _function(self, function_id: str, name: str, app_id: str) -> Any:
         with self.lock:
@@ -402,10 +426,28 @@ class FakeModalServer:
         (folder / "args").write_bytes(call.args)
         env = {**os.environ, **self.environ(), **self.container_env,
                "FAKE_MODAL_INPUT_ID": call.input_id, "FAKE_MODAL_CALL_ID": call.call_id}
+        cwd = self._lay_out_mounts(definition, folder / "fs") if self.mounts and definition is not None else None
         call.task_id = f"ta-{call.call_id[3:]}"
         call.proc = subprocess.Popen([sys.executable, str(CONTAINER), str(folder)], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
         threading.Thread(target=self._watch, args=(call, folder), daemon=True).start()
+
+    def _lay_out_mounts(self, definition: Any, fs: Path) -> Path:
+        """Write the function's mounted files under ``fs`` by their remote paths; return ``fs/root``
+        (Modal's ``/root``, a container's working directory)."""
+        with self.lock:
+            files = [f for mount_id in definition.mount_ids for f in self.mount_files.get(mount_id, [])]
+            blobs = dict(self.blobs)
+        for remote, sha, mode in files:
+            dest = fs / remote.lstrip("/")
+            if fs.resolve() not in dest.resolve().parents:
+                raise ValueError(f"mount path {remote!r} leaves the container's file system")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(blobs[sha])
+            if mode:
+                dest.chmod(mode & 0o777)
+        (fs / "root").mkdir(parents=True, exist_ok=True)
+        return fs / "root"
 
     def _watch(self, call: ModalCall, folder: Path) -> None:
         proc = call.proc
