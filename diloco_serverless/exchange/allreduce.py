@@ -47,8 +47,11 @@ from diloco_serverless.exchange._io import (
 )
 from diloco_serverless.exchange.codec import (
     ShardHeader,
+    Summand,
     decode_shard,
+    decode_summand,
     decode_values,
+    dense,
     encode_values,
     max_object_bytes,
     pack,
@@ -470,7 +473,7 @@ class ObjectStoreAllReduce:
             participants, out = mean_of(entries, rs.me)
             rs.stats.phases_s["reduce"] = time.monotonic() - t
             rs.stats.participants, rs.stats.late = participants, self.rank not in participants
-            rs.own = [mine.values] if mine.values is not None else None
+            rs.own = [dense(mine.values)] if mine.values is not None else None
             round_.confirm()  # the votes that decided the participants are still there, unchanged
             return out
         quorum = quorum_of(entries, rs.me)
@@ -767,13 +770,13 @@ class ObjectStoreAllReduce:
                 blobs[k] = data
                 early.add(k)
         acc = torch.zeros(b - a, dtype=torch.float32)
-        guarded: list[tuple[int, torch.Tensor]] = []  # a sparse round sums through the guard (exchange/robust.py)
+        guarded: list[tuple[int, Summand]] = []  # a sparse round sums through the guard (exchange/robust.py)
 
-        def add(q: int, values: torch.Tensor) -> None:
+        def add(q: int, values: Summand) -> None:
             if is_sparse(ref.codec):
                 guarded.append((q, values))
             else:
-                acc.add_(values)
+                acc.add_(dense(values))
 
         for q in quorum.participants:
             if use_own and q == self.rank:
@@ -787,11 +790,11 @@ class ObjectStoreAllReduce:
                 )
             head = piece_header(replace(ref, rank=q), j, rs.bounds[j])
             try:
-                add(q, decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self._run_key))
+                add(q, decode_summand(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self._run_key))
             except CorruptObjectError:
                 if keys[q] not in early:
                     raise
-                add(q, decode_shard(io.get(keys[q]), key=keys[q], expect=head, run_key=self._run_key))
+                add(q, decode_summand(io.get(keys[q]), key=keys[q], expect=head, run_key=self._run_key))
         if guarded:
             acc = guarded_sum(guarded, what=f"round {rs.r} shard {j}")
         return acc

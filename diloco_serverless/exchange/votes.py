@@ -41,9 +41,10 @@ from diloco_serverless.errors import ExchangeError
 from diloco_serverless.exchange._io import CountingStore, RoundLayout, ranks_in, shard_bounds
 from diloco_serverless.exchange.codec import (
     ShardHeader,
+    Summand,
     check_fields,
-    decode_checked,
-    decode_shard,
+    decode_summand,
+    decode_summand_checked,
     decode_values,
     encode_values,
     pack,
@@ -67,7 +68,7 @@ from diloco_serverless.exchange.quorum import (
     grace_s,
 )
 from diloco_serverless.exchange.robust import guarded_sum
-from diloco_serverless.exchange.sparse import is_sparse
+from diloco_serverless.exchange.sparse import SparseValues, concat, is_sparse
 from diloco_serverless.run.layout import contrib_key, spread_count, vote_key
 from diloco_serverless.store.errors import ObjectNotFound
 
@@ -107,11 +108,12 @@ def vote_keys(marker: ReadyMarker) -> dict[int, str]:
 @dataclass(frozen=True)
 class Entry:
     """What rank ``rank``'s vote key holds: its vote (``marker``; ``values`` once its pieces are read) or
-    a tombstone (``reason`` it is left out, written by rank ``by``)."""
+    a tombstone (``reason`` it is left out, written by rank ``by``). A sparse round's ``values`` read from the
+    store stay sparse (:data:`~diloco_serverless.exchange.codec.Summand`) until they are summed."""
 
     rank: int
     marker: ReadyMarker | None = None
-    values: torch.Tensor | None = None
+    values: Summand | None = None
     reason: str | None = None
     by: int | None = None
 
@@ -182,7 +184,7 @@ def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run
         return Entry(rank, marker=marker)
     expect = piece_header(marker, 0, (0, marker.numel))
     check_fields(header, key=key, expect=expect)
-    return Entry(rank, marker=marker, values=decode_checked(tensors, key=key, expect=expect))
+    return Entry(rank, marker=marker, values=decode_summand_checked(tensors, key=key, expect=expect))
 
 
 def quorum_of(entries: dict[int, Entry], me: ReadyMarker) -> Quorum:
@@ -209,14 +211,23 @@ def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torc
         values = entries[q].values
         assert values is not None
         if not is_sparse(ref.codec):
+            assert not isinstance(values, SparseValues)
             acc += values
-    if is_sparse(ref.codec):  # through the robust-aggregation guard (exchange/robust.py)
+    if is_sparse(ref.codec):  # through the robust-aggregation guard (exchange/robust.py), sparse as sent
         acc = guarded_sum([(q, v) for q in participants if (v := entries[q].values) is not None],
                           what=f"round {me.round}")
     acc /= len(participants)
     # through the codec piece by piece, as the pieces were encoded (and as a quorum's direct round does)
     codec = reduced_codec(ref.codec, stored=False)
     return participants, torch.cat([roundtrip(acc[a:b], codec) for a, b in shard_bounds(ref.numel, ref.split)])
+
+
+def _joined(pieces: list[Summand]) -> Summand:
+    """A share's decoded pieces, in order, as one vector (sparse if they are)."""
+    sparse_pieces = [p for p in pieces if isinstance(p, SparseValues)]
+    if len(sparse_pieces) == len(pieces):
+        return concat(sparse_pieces)
+    return torch.cat([p.to_dense() if isinstance(p, SparseValues) else p for p in pieces])
 
 
 class VotedRound:
@@ -422,7 +433,7 @@ class VotedRound:
         for q in sorted(self.pieces):
             marker = self.entries[q].marker
             assert marker is not None
-            values = []
+            values: list[Summand] = []
             for j, (fut, b) in enumerate(zip(self.pieces.pop(q), shard_bounds(marker.numel, marker.split))):
                 key, data = contrib_key(self.me.round, j, q), fut.result()
                 if data is None:
@@ -430,8 +441,8 @@ class VotedRound:
                         f"round {self.me.round}: piece {key!r} of rank {q} is missing although its vote exists; the "
                         "round was pruned or the store lost it — restart the round"
                     )
-                values.append(decode_shard(data, key=key, expect=piece_header(marker, j, b), run_key=self.p.run_key))
-            self.entries[q] = replace(self.entries[q], values=torch.cat(values))
+                values.append(decode_summand(data, key=key, expect=piece_header(marker, j, b), run_key=self.p.run_key))
+            self.entries[q] = replace(self.entries[q], values=_joined(values))
 
     def _settle(self, entry: Entry) -> Entry:
         """Our entry as the store holds it (we were late, or restarted after voting), with its values."""
