@@ -470,11 +470,14 @@ class ObjectStoreAllReduce:
         if mine.contributed:  # ours, or the vote we cast before a restart: what everyone counts
             rs.stats.abstained = None
         if direct:
+            # the votes that decided the participants are still there, unchanged: checked (one listing)
+            # while we sum, and before the mean is returned
+            confirming = self._executor().submit(round_.confirm)
             participants, out = mean_of(entries, rs.me)
             rs.stats.phases_s["reduce"] = time.monotonic() - t
             rs.stats.participants, rs.stats.late = participants, self.rank not in participants
             rs.own = [dense(mine.values)] if mine.values is not None else None
-            round_.confirm()  # the votes that decided the participants are still there, unchanged
+            confirming.result()
             return out
         quorum = quorum_of(entries, rs.me)
         rs.stats.participants, rs.stats.late = list(quorum.participants), self.rank not in quorum.participants
