@@ -79,7 +79,7 @@ INT8_BYTES_PER_ELEM = 1 + 4 / 256
 #: sparse (the default 64 of 4,096 at 2 bits): 64 x (12 + 2) bits and one fp32 scale per 4,096 values
 SPARSE_BYTES_PER_ELEM = (64 * 14 / 8 + 4) / 4096
 CODEC_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": INT8_BYTES_PER_ELEM, "sparse": SPARSE_BYTES_PER_ELEM}
-#: A sparse round under ``--topology auto`` is direct: publish, list the votes, GET the others' objects.
+#: A sparse round under ``--topology auto`` is direct: publish, GET the others' votes, list them once to confirm.
 SPARSE_ROUND_TRIPS = 3
 RESULTS = Path(__file__).with_name("results") / "allreduce.json"
 

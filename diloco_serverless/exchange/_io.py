@@ -243,8 +243,10 @@ class CountingStore:
         layout = known[0]
         if m.group(4) is not None:  # a hierarchical group partial: always fp32
             return max_object_bytes("fp32", layout.shard_numel(int(m.group(4))))
-        n = layout.shard_numel(int(m.group(2) or m.group(3)))
-        return max(max_object_bytes(layout.codec, n), max_object_bytes(reduced_codec(layout.codec), n))
+        if m.group(2) is not None:  # a contribution: the round's codec (a sparse one's is ~36x below int8's,
+            # and a bound under the transfer part size is read with one GET, not a ranged GET per part)
+            return max_object_bytes(layout.codec, layout.shard_numel(int(m.group(2))))
+        return max_object_bytes(reduced_codec(layout.codec), layout.shard_numel(int(m.group(3))))
 
     def _learn(self, key: str, data: bytes, *, own: bool) -> None:
         """Record the round layout in a ready marker or ``quorum.json`` we wrote or read; anything

@@ -50,7 +50,11 @@ __all__ = [
     "INT8_BLOCK",
     "MAX_HEADER_BYTES",
     "ShardHeader",
+    "Summand",
     "decode_shard",
+    "decode_summand",
+    "decode_summand_checked",
+    "dense",
     "decode_values",
     "encode_shard",
     "encode_values",
@@ -72,6 +76,11 @@ INT8_BLOCK = 256
 MAX_HEADER_BYTES = 64 << 10
 _MAX_DIMS = 64  # most dimensions a stored tensor may have
 _FINITE_CHUNK = 1 << 24  # elements checked for NaN/Inf at a time (bounds the temporary mask)
+
+#: A contribution as the exchange sums it: dense fp32 values, or a sparse codec's kept values and their
+#: positions (:class:`~diloco_serverless.exchange.sparse.SparseValues`), which are summed without ever
+#: being made dense (:func:`dense` makes them so where a whole vector is needed).
+Summand = torch.Tensor | sparse.SparseValues
 
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "F32",
@@ -211,6 +220,11 @@ def _count_bad(values: torch.Tensor, *, allow_negative: bool = True) -> int:
         if not bool(ok.all()):
             bad += int((~ok).sum())
     return bad
+
+
+def dense(values: Summand) -> torch.Tensor:
+    """``values`` as a flat fp32 vector."""
+    return values.to_dense() if isinstance(values, sparse.SparseValues) else values
 
 
 def roundtrip(values: torch.Tensor, codec: str) -> torch.Tensor:
@@ -585,6 +599,32 @@ def decode_shard(data: bytes, *, key: str, expect: ShardHeader, run_key: bytes |
     meta, tensors = _parse_object(data, key=key)
     verify_header(meta, tensors, key=key, expect=expect, run_key=run_key)
     return decode_checked(tensors, key=key, expect=expect)
+
+
+def decode_summand(data: bytes, *, key: str, expect: ShardHeader, run_key: bytes | None = None) -> Summand:
+    """:func:`decode_shard`, but a sparse codec's values come back as they were sent
+    (:class:`~diloco_serverless.exchange.sparse.SparseValues`), for summing: the same checks, the same
+    errors."""
+    meta, tensors = _parse_object(data, key=key)
+    verify_header(meta, tensors, key=key, expect=expect, run_key=run_key)
+    return decode_summand_checked(tensors, key=key, expect=expect)
+
+
+def decode_summand_checked(tensors: Mapping[str, torch.Tensor], *, key: str, expect: ShardHeader) -> Summand:
+    """:func:`decode_checked`, but a sparse codec's values as they were sent (see :func:`decode_summand`)."""
+    if not sparse.is_sparse(expect.codec):
+        return decode_checked(tensors, key=key, expect=expect)
+    try:
+        kept = sparse.decode_sparse(tensors, sparse.parse(validate_codec(expect.codec)), expect.numel)
+    except ValueError as e:
+        raise CorruptObjectError(f"exchange object {key!r} has a bad {expect.codec} layout: {e}; refusing it") from e
+    bad = _count_bad(kept.values)
+    if bad:
+        raise CorruptObjectError(
+            f"exchange object {key!r} holds {bad} NaN/Inf values (of {expect.numel}); refusing it — replicas "
+            "never write non-finite values, so it was forged or corrupted before its checksum was computed"
+        )
+    return kept
 
 
 def decode_checked(tensors: Mapping[str, torch.Tensor], *, key: str, expect: ShardHeader) -> torch.Tensor:

@@ -7,7 +7,10 @@ protocol's. With L levels (:func:`~.topology.levels`: 2, or 3 from 128 replicas)
 
 1. **Level-1 partials.** Group k holds ranks ``[k*c, (k+1)*c)``; its participants, in rank order,
    are its members. ``partial/<k>/<j>`` is the fp32 sum of the members' decoded contributions to
-   shard j in rank order, written create-only by member ``members[j mod |members|]``.
+   shard j in rank order, written create-only by member ``members[j mod |members|]``. In a sparse round
+   each contribution passes the robust-aggregation guard first (:mod:`.robust`), against the median of
+   the group's norms of that shard: nobody below the root sees every contribution, and a group
+   with three or more participants has a median of its own (``c >= 3`` from N = 5).
 2. **Level-2 partials** (three levels only). Group k of level 2 holds level-1 groups
    ``[k*c, (k+1)*c)`` (ranks ``[k*c^2, (k+1)*c^2)``); ``partial/l2/<k>/<j>`` is the sum of their
    partials of shard j in group order, written create-only by member ``members[(|members| - 1 - j)
@@ -44,8 +47,11 @@ from diloco_serverless.errors import ExchangeError
 from diloco_serverless.exchange._io import CountingStore
 from diloco_serverless.exchange.codec import (
     ShardHeader,
+    Summand,
     decode_shard,
+    decode_summand,
     decode_values,
+    dense,
     encode_values,
     max_object_bytes,
     pack,
@@ -53,6 +59,8 @@ from diloco_serverless.exchange.codec import (
 )
 from diloco_serverless.exchange.polling import Backoff
 from diloco_serverless.exchange.quorum import Quorum, ReadyMarker
+from diloco_serverless.exchange.robust import guarded_sum
+from diloco_serverless.exchange.sparse import is_sparse
 from diloco_serverless.exchange.topology import branching, levels
 from diloco_serverless.exchange.votes import piece_header
 from diloco_serverless.run.layout import (
@@ -158,9 +166,12 @@ class HierarchicalRound:
         what the stored object decodes to (ours, or the identical one another replica wrote first)."""
         a, b = self.bounds[j]
         acc = torch.zeros(b - a, dtype=torch.float32)
-        if level == 1:
+        if level == 1 and is_sparse(self.ref.codec):  # the guard, against the median of the group's norms
+            acc = guarded_sum(list(zip(self.members[(1, k)], self._contributions(k, j))),
+                              what=f"round {self.r} group {k} shard {j}")
+        elif level == 1:
             for values in self._contributions(k, j):
-                acc += values
+                acc += dense(values)
         else:
             kids = self.children(level, k)
             self._await(
@@ -184,13 +195,14 @@ class HierarchicalRound:
         self.have[(level, k, j)] = out
         return out
 
-    def _contributions(self, k: int, j: int) -> list[torch.Tensor]:
-        """Shard j of group k's members' contributions, decoded, in rank order (ours from memory)."""
+    def _contributions(self, k: int, j: int) -> list[Summand]:
+        """Shard j of group k's members' contributions, decoded (a sparse codec's as sent), in rank order
+        (ours from memory)."""
         members = self.members[(1, k)]
         mine = self.own is not None and self.rank in members
         keys = {q: contrib_key(self.r, j, q, self.spread) for q in members if not (mine and q == self.rank)}
         blobs = self.io.get_many(list(keys.values()), missing_ok=True)
-        out = []
+        out: list[Summand] = []
         for q in members:
             if mine and q == self.rank:
                 assert self.own is not None
@@ -202,7 +214,7 @@ class HierarchicalRound:
                     "marker exists; the round was pruned or the store lost it — restart the round"
                 )
             head = piece_header(replace(self.ref, rank=q), j, self.bounds[j])
-            out.append(decode_shard(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self.run_key))
+            out.append(decode_summand(blobs.pop(keys[q]), key=keys[q], expect=head, run_key=self.run_key))
         return out
 
     # ------------------------------------------------------------------ the round

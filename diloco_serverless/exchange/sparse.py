@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +37,11 @@ import torch
 __all__ = [
     "DEFAULT",
     "SparseSpec",
+    "SparseValues",
     "bits_per_value",
+    "concat",
     "decode",
+    "decode_sparse",
     "encode",
     "is_sparse",
     "parse",
@@ -50,7 +53,6 @@ VALUE_BITS = (2, 4, 8)
 #: Chunk sizes allowed: powers of two from 16 to 65,536 (indices of 4 to 16 bits).
 MIN_CHUNK, MAX_CHUNK = 16, 1 << 16
 _NAME = re.compile(r"sparse-([0-9]{1,6})of([0-9]{1,6})-([0-9])bit")
-_BLOCK = 1 << 18  # entries packed or unpacked at a time (bounds the temporaries; a multiple of 8)
 
 
 @dataclass(frozen=True)
@@ -142,18 +144,20 @@ def encode(values: torch.Tensor, spec: SparseSpec) -> dict[str, torch.Tensor]:
     chunks, _, last = _entries(spec, n)
     if chunks == 0:
         return {"packed": torch.empty(0, dtype=torch.uint8), "scales": torch.empty(0, dtype=torch.float32)}
-    if not bool(torch.isfinite(values).all()):
+    magnitude = values.abs()
+    if not bool(torch.isfinite(magnitude.amax())):  # amax propagates NaN and inf
         raise ValueError("sparse codec got inf/NaN values; they cannot be quantised — check the replica's loss")
     full = n // spec.chunk
     idx_parts, val_parts = [], []
     if full:
         blocks = values[: full * spec.chunk].view(full, spec.chunk)
-        idx = blocks.abs().topk(spec.k, dim=1, sorted=False).indices.sort(dim=1).values
+        idx = magnitude[: full * spec.chunk].view(full, spec.chunk).topk(spec.k, dim=1, sorted=False).indices
+        idx = idx.sort(dim=1).values
         idx_parts.append(idx)
         val_parts.append(blocks.gather(1, idx))
     if full < chunks:  # a last, shorter chunk
         tail = values[full * spec.chunk :]
-        idx = tail.abs().topk(last, sorted=False).indices.sort().values
+        idx = magnitude[full * spec.chunk :].topk(last, sorted=False).indices.sort().values
         idx_parts.append(idx.view(1, -1))
         val_parts.append(tail[idx].view(1, -1))
     scales = torch.cat([v.abs().amax(dim=1) for v in val_parts])
@@ -170,20 +174,60 @@ def encode(values: torch.Tensor, spec: SparseSpec) -> dict[str, torch.Tensor]:
 
 
 def _pack_bits(fields: torch.Tensor, width: int) -> torch.Tensor:
-    """``fields`` (int64, each < 2**width) as a bit stream, least significant bit first, zero-padded."""
-    shifts = torch.arange(width, dtype=torch.int64)
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int64)
-    out = []
-    for start in range(0, fields.numel(), _BLOCK):
-        bits = ((fields[start : start + _BLOCK, None] >> shifts) & 1).reshape(-1)
-        pad = (-bits.numel()) % 8  # only the last block can need padding (_BLOCK is a multiple of 8)
-        if pad:
-            bits = torch.nn.functional.pad(bits, (0, pad))
-        out.append((bits.view(-1, 8) * weights).sum(dim=1).to(torch.uint8))
-    return torch.cat(out) if out else torch.empty(0, dtype=torch.uint8)
+    """``fields`` (int64, each < 2**width, width <= 25) as a bit stream, least significant bit first,
+    zero-padded to a whole byte. Vectorised: field ``i`` starts at bit ``i * width``, i.e. at bit
+    ``(i * width) % 8`` of byte ``(i * width) // 8``, and spans at most four bytes; fields never share a
+    bit, so adding their shifted bytes is OR-ing them."""
+    count = fields.numel()
+    nbytes = -(-count * width // 8)
+    offset = torch.arange(count, dtype=torch.int64) * width
+    start, shifted = offset >> 3, fields.to(torch.int64) << (offset & 7)
+    out = torch.zeros(nbytes + 4, dtype=torch.int64)
+    for t in range(4):
+        out.index_add_(0, start + t, (shifted >> (8 * t)) & 0xFF)
+    return out[:nbytes].to(torch.uint8)
 
 
 # --------------------------------------------------------------------------- decode
+
+
+@dataclass(frozen=True)
+class SparseValues:
+    """A decoded sparse contribution as it was sent: ``values`` (fp32) at the strictly increasing flat
+    positions ``index`` (int64) of a vector of ``numel`` values, zero everywhere else.
+
+    The exchange sums these without ever making them dense (:meth:`add_to`): the same fp32 additions,
+    in the same order, as summing :meth:`to_dense` vectors, since adding an exact zero to an accumulator
+    that starts at ``+0.0`` changes nothing (such a sum is never ``-0.0``: ``x + y`` is ``-0.0`` only
+    when both are)."""
+
+    numel: int
+    index: torch.Tensor
+    values: torch.Tensor
+
+    def to_dense(self) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=torch.float32)
+        out[self.index] = self.values
+        return out
+
+    def add_to(self, acc: torch.Tensor, factor: float = 1.0) -> None:
+        """``acc += factor * self`` (fp32, element by element; ``acc`` flat of :attr:`numel` values)."""
+        if acc.numel() != self.numel:
+            raise ValueError(f"cannot add {self.numel} sparse values to an accumulator of {acc.numel()}")
+        vals = self.values if factor == 1.0 else self.values * factor
+        acc[self.index] = acc[self.index].add_(vals)
+
+
+def concat(parts: Sequence[SparseValues]) -> SparseValues:
+    """The pieces of one vector, in order, as one :class:`SparseValues`."""
+    offsets, total = [], 0
+    for p in parts:
+        offsets.append(total)
+        total += p.numel
+    if not parts:
+        return SparseValues(0, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32))
+    return SparseValues(total, torch.cat([p.index + o for p, o in zip(parts, offsets)]),
+                        torch.cat([p.values for p in parts]))
 
 
 def decode(tensors: Mapping[str, torch.Tensor], spec: SparseSpec, numel: int) -> torch.Tensor:
@@ -192,6 +236,11 @@ def decode(tensors: Mapping[str, torch.Tensor], spec: SparseSpec, numel: int) ->
     Raises ``ValueError`` saying what is wrong when the tensors are not exactly what :func:`encode`
     writes for ``numel`` values (see the module docstring).
     """
+    return decode_sparse(tensors, spec, numel).to_dense()
+
+
+def decode_sparse(tensors: Mapping[str, torch.Tensor], spec: SparseSpec, numel: int) -> SparseValues:
+    """:func:`decode` without making the vector dense: the kept values and their flat positions."""
     chunks, entries, last = _entries(spec, numel)
     nbytes = -(-entries * spec.field_bits // 8)
     packed, scales = tensors.get("packed"), tensors.get("scales")
@@ -205,7 +254,7 @@ def decode(tensors: Mapping[str, torch.Tensor], spec: SparseSpec, numel: int) ->
         raise ValueError(f"{spec.name} object of {numel} values must hold exactly 'packed' (uint8, {nbytes}) and "
                          f"'scales' (fp32, {chunks}), got {{{described}}}")
     if chunks == 0:
-        return torch.zeros(0, dtype=torch.float32)
+        return SparseValues(numel, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32))
     bad = int((~(torch.isfinite(scales) & (scales >= 0))).sum())
     if bad:
         raise ValueError(f"{bad} of its {chunks} chunk scales are NaN, infinite or negative")
@@ -228,22 +277,20 @@ def decode(tensors: Mapping[str, torch.Tensor], spec: SparseSpec, numel: int) ->
     chunk_of = torch.repeat_interleave(torch.arange(chunks), counts)
     mag = ((code & (levels - 1)) + 1).to(torch.float32) / levels
     sign = 1.0 - 2.0 * (code >> (spec.bits - 1)).to(torch.float32)
-    out = torch.zeros(numel, dtype=torch.float32)
-    out[chunk_of * spec.chunk + idx] = sign * mag * scales[chunk_of]
-    return out
+    return SparseValues(numel, chunk_of * spec.chunk + idx, sign * mag * scales[chunk_of])
 
 
 def _unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """``count`` fields of ``width`` bits from :func:`_pack_bits`'s stream (int64); ``ValueError`` when the
-    padding bits after the last field are not zero."""
-    shifts8 = torch.arange(8, dtype=torch.uint8)
-    weights = torch.tensor([1 << i for i in range(width)], dtype=torch.int64)
-    per = _BLOCK * width // 8  # bytes of one block of fields
-    out = []
-    for start in range(0, packed.numel(), per):
-        bits = ((packed[start : start + per, None] >> shifts8) & 1).reshape(-1)
-        n = min(_BLOCK, count - (start // per) * _BLOCK)
-        if bool(bits[n * width :].any()):
-            raise ValueError("its padding bits after the last value are not zero")
-        out.append((bits[: n * width].view(n, width).to(torch.int64) * weights).sum(dim=1))
-    return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+    padding bits after the last field are not zero. The caller checked that ``packed`` holds exactly
+    ``ceil(count * width / 8)`` bytes."""
+    if count == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    used = count * width - 8 * (packed.numel() - 1)  # bits of the last byte that hold a field
+    if used < 8 and int(packed[-1]) >> used:
+        raise ValueError("its padding bits after the last value are not zero")
+    wide = torch.nn.functional.pad(packed.to(torch.int64), (0, 4))
+    offset = torch.arange(count, dtype=torch.int64) * width
+    start = offset >> 3
+    word = wide[start] | (wide[start + 1] << 8) | (wide[start + 2] << 16) | (wide[start + 3] << 24)
+    return (word >> (offset & 7)) & ((1 << width) - 1)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -41,9 +41,10 @@ from diloco_serverless.errors import ExchangeError
 from diloco_serverless.exchange._io import CountingStore, RoundLayout, ranks_in, shard_bounds
 from diloco_serverless.exchange.codec import (
     ShardHeader,
+    Summand,
     check_fields,
-    decode_checked,
-    decode_shard,
+    decode_summand,
+    decode_summand_checked,
     decode_values,
     encode_values,
     pack,
@@ -67,7 +68,7 @@ from diloco_serverless.exchange.quorum import (
     grace_s,
 )
 from diloco_serverless.exchange.robust import guarded_sum
-from diloco_serverless.exchange.sparse import is_sparse
+from diloco_serverless.exchange.sparse import SparseValues, concat, is_sparse
 from diloco_serverless.run.layout import contrib_key, spread_count, vote_key
 from diloco_serverless.store.errors import ObjectNotFound
 
@@ -107,11 +108,12 @@ def vote_keys(marker: ReadyMarker) -> dict[int, str]:
 @dataclass(frozen=True)
 class Entry:
     """What rank ``rank``'s vote key holds: its vote (``marker``; ``values`` once its pieces are read) or
-    a tombstone (``reason`` it is left out, written by rank ``by``)."""
+    a tombstone (``reason`` it is left out, written by rank ``by``). A sparse round's ``values`` read from the
+    store stay sparse (:data:`~diloco_serverless.exchange.codec.Summand`) until they are summed."""
 
     rank: int
     marker: ReadyMarker | None = None
-    values: torch.Tensor | None = None
+    values: Summand | None = None
     reason: str | None = None
     by: int | None = None
 
@@ -182,7 +184,7 @@ def read_entry(data: bytes, *, key: str, run_id: str, round: int, rank: int, run
         return Entry(rank, marker=marker)
     expect = piece_header(marker, 0, (0, marker.numel))
     check_fields(header, key=key, expect=expect)
-    return Entry(rank, marker=marker, values=decode_checked(tensors, key=key, expect=expect))
+    return Entry(rank, marker=marker, values=decode_summand_checked(tensors, key=key, expect=expect))
 
 
 def quorum_of(entries: dict[int, Entry], me: ReadyMarker) -> Quorum:
@@ -209,14 +211,23 @@ def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torc
         values = entries[q].values
         assert values is not None
         if not is_sparse(ref.codec):
+            assert not isinstance(values, SparseValues)
             acc += values
-    if is_sparse(ref.codec):  # through the robust-aggregation guard (exchange/robust.py)
+    if is_sparse(ref.codec):  # through the robust-aggregation guard (exchange/robust.py), sparse as sent
         acc = guarded_sum([(q, v) for q in participants if (v := entries[q].values) is not None],
                           what=f"round {me.round}")
     acc /= len(participants)
     # through the codec piece by piece, as the pieces were encoded (and as a quorum's direct round does)
     codec = reduced_codec(ref.codec, stored=False)
     return participants, torch.cat([roundtrip(acc[a:b], codec) for a, b in shard_bounds(ref.numel, ref.split)])
+
+
+def _joined(pieces: list[Summand]) -> Summand:
+    """A share's decoded pieces, in order, as one vector (sparse if they are)."""
+    sparse_pieces = [p for p in pieces if isinstance(p, SparseValues)]
+    if len(sparse_pieces) == len(pieces):
+        return concat(sparse_pieces)
+    return torch.cat([p.to_dense() if isinstance(p, SparseValues) else p for p in pieces])
 
 
 class VotedRound:
@@ -322,7 +333,10 @@ class VotedRound:
 
     def collect(self, on_listed: Callable[[set[int]], None] | None = None) -> dict[int, Entry]:
         """Poll the round's vote prefix, reading each object as it appears, until all N keys hold
-        something; returns them by rank. ``on_listed`` sees the ranks whose vote key holds something
+        something; returns them by rank. Where the votes are the contributions themselves (a direct round
+        whose share is one object), a poll is instead a GET of each vote still missing, all at once: a vote
+        is read in the round trip that finds it, not in one after the listing that shows it (a GET costs
+        a twelfth of a listing on S3, and N <= 16 here). ``on_listed`` sees the ranks whose vote key holds something
         each time a listing shows new ones: a vote is written after every contribution object of its
         rank, so a flat round starts fetching their shards there, while the votes are being read (a
         tombstone's rank is simply never summed). Past our straggler deadline, with
@@ -337,19 +351,26 @@ class VotedRound:
         reading: dict[int, Future[bytes | None]] = {}
         entitled_since: float | None = None
         seen, announced = 0, set[int]()
+        by_get = whole_vote(self.me)
         while True:
-            listed = io.list_md5(self.prefix)
-            present = {q for q in ranks_in(list(listed)) if 0 <= q < n} | set(self.entries)
-            for q in sorted(present - set(self.entries) - set(reading)):
-                if self._as_expected(q, listed.get(self.keys[q])):
-                    self._decided_by[q] = self._expected_md5[q]
-                    self._add(Entry(q, marker=replace(self.me, rank=q)))
-                else:  # a vote without values is a control object: own pool
-                    reading[q] = io.get_async(self.keys[q], control=not whole_vote(self.me))
-            if on_listed is not None and present - announced:
-                on_listed(present)
-                announced = present
-            self._take(reading, wait=len(present) == n)
+            if by_get:  # poll by GETs of the missing votes: one round trip per vote, not a listing and a GET
+                for q in sorted(set(range(n)) - set(self.entries) - set(reading)):
+                    reading[q] = io.get_async(self.keys[q])
+                self._take(reading, wait=False)
+                present = set(self.entries)
+            else:
+                listed = io.list_md5(self.prefix)
+                present = {q for q in ranks_in(list(listed)) if 0 <= q < n} | set(self.entries)
+                for q in sorted(present - set(self.entries) - set(reading)):
+                    if self._as_expected(q, listed.get(self.keys[q])):
+                        self._decided_by[q] = self._expected_md5[q]
+                        self._add(Entry(q, marker=replace(self.me, rank=q)))
+                    else:  # a vote without values is a control object: own pool
+                        reading[q] = io.get_async(self.keys[q], control=True)
+                if on_listed is not None and present - announced:
+                    on_listed(present)
+                    announced = present
+                self._take(reading, wait=len(present) == n)
             if len(self.entries) == n:
                 self._check_enough()
                 self._read_pieces()
@@ -375,13 +396,28 @@ class VotedRound:
                     "check those replicas' logs or lower min_replicas"
                 )
             pause = min(backoff.next(), max(0.0, p.deadline - now))
-            time.sleep(pause)
-            self.wait_s += pause
-            if len(present) > seen:  # progress: poll soon again
-                seen = len(present)
+            if by_get:
+                self._sleep_reading(reading, until=now + pause)
+            else:
+                time.sleep(pause)
+            self.wait_s += time.monotonic() - now
+            if len(set(self.entries) | present) > seen:  # progress: poll soon again
+                seen = len(set(self.entries) | present)
                 backoff.reset()
 
     # ------------------------------------------------------------------ helpers
+
+    def _sleep_reading(self, reading: dict[int, Future[bytes | None]], *, until: float) -> None:
+        """Sleep until ``until`` (monotonic), taking each vote whose GET answers meanwhile; stop early once
+        every rank's entry is in. A GET that found nothing is simply done: the next poll asks again."""
+        while len(self.entries) < self.me.world_size and (left := until - time.monotonic()) > 0:
+            if not reading:
+                time.sleep(left)
+                return
+            done, _ = wait(list(reading.values()), timeout=left, return_when=FIRST_COMPLETED)
+            if not done:
+                return
+            self._take(reading, wait=False)
 
     def _as_expected(self, rank: int, md5: str | None) -> bool:
         """Whether the listing shows that ``rank``'s vote key holds exactly the vote we expect of it (our
@@ -422,7 +458,7 @@ class VotedRound:
         for q in sorted(self.pieces):
             marker = self.entries[q].marker
             assert marker is not None
-            values = []
+            values: list[Summand] = []
             for j, (fut, b) in enumerate(zip(self.pieces.pop(q), shard_bounds(marker.numel, marker.split))):
                 key, data = contrib_key(self.me.round, j, q), fut.result()
                 if data is None:
@@ -430,8 +466,8 @@ class VotedRound:
                         f"round {self.me.round}: piece {key!r} of rank {q} is missing although its vote exists; the "
                         "round was pruned or the store lost it — restart the round"
                     )
-                values.append(decode_shard(data, key=key, expect=piece_header(marker, j, b), run_key=self.p.run_key))
-            self.entries[q] = replace(self.entries[q], values=torch.cat(values))
+                values.append(decode_summand(data, key=key, expect=piece_header(marker, j, b), run_key=self.p.run_key))
+            self.entries[q] = replace(self.entries[q], values=_joined(values))
 
     def _settle(self, entry: Entry) -> Entry:
         """Our entry as the store holds it (we were late, or restarted after voting), with its values."""

@@ -47,6 +47,15 @@ def test_own_ready_marker_bounds_contributions_and_reduced_shards(io: CountingSt
     assert io.max_bytes(ready_key(3, 1)) == CONTROL_MAX_BYTES  # markers are bounded as control objects
 
 
+def test_a_sparse_rounds_contributions_are_bounded_by_the_sparse_codec(io: CountingStore) -> None:
+    """Contributions by the round's codec, reduced shards by the reduced codec (int8): a 1.8 MB sparse
+    contribution bounded as a 65 MB int8 object would be read as one ranged GET per transfer part."""
+    io.put(ready_key(3, 0), json.dumps(_marker(0, numel=1 << 24, codec="sparse-64of4096-2bit")).encode())
+    assert io.max_bytes(contrib_key(3, 0, 1)) == max_object_bytes("sparse-64of4096-2bit", 1 << 23)
+    assert io.max_bytes(contrib_key(3, 0, 1)) < max_object_bytes("int8", 1 << 23) // 10
+    assert io.max_bytes(reduced_key(3, 1)) == max_object_bytes("int8", 1 << 23)
+
+
 def test_quorum_bounds_a_late_replica_but_never_overrides_its_own_marker(io: CountingStore) -> None:
     quorum = {"run_id": "t", "round": 3, "participants": [1, 0], "created_by": 1,
               "markers": {"0": _marker(0, numel=10, codec="fp32"), "1": _marker(1, numel=10, codec="fp32")}}

@@ -6,12 +6,13 @@ request with the rank that sent it.
 - The replica that writes ``quorum.json`` does not read it back.
 - A round after one the replica finished does not start with a quorum read.
 - Reduced shards are listed, then only those that exist are fetched (no GET that misses).
-- A small direct round sends what the naive exchange sends: one PUT, listings, one GET per peer.
+- A small direct round sends one PUT, polls its peers' votes by GET (no listing first), then one listing.
 """
 
 from __future__ import annotations
 
 import json
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -201,19 +202,25 @@ def _two_rounds_of_three(emu: StoreEmulator, bucket: str, topology: str) -> tupl
     return stats, emu.requests()
 
 
-def test_a_small_direct_round_sends_the_naive_exchanges_requests(emu: StoreEmulator, bucket: str) -> None:
-    """A direct round without a quorum: per replica one (create-only) PUT, listings, and one GET per peer;
-    no ready marker, no quorum.json, no HEAD, no GET that misses."""
+def test_a_small_direct_round_polls_its_peers_votes_by_get(emu: StoreEmulator, bucket: str) -> None:
+    """A direct round without a quorum: per replica one (create-only) PUT, GETs of each peer's vote until it
+    is there (a GET that misses is a poll: no listing before it), read once, then one listing (the
+    confirmation). No ready marker, no quorum.json, no HEAD."""
     stats, log = _two_rounds_of_three(emu, bucket, "auto")
     assert not [r for r in log if "/ready/" in r.key or r.key.endswith("quorum.json") or "/reduced/" in r.key]
-    assert not [r for r in log if r.method == "HEAD" or (r.method == "GET" and r.status == 404)]
+    assert not [r for r in log if r.method == "HEAD"]
     for rank in range(3):
         mine = [r for r in log if r.client == f"rank-{rank}"]
         for rnd in (0, 1):
             puts = [r.key for r in mine if r.method == "PUT" and f"/{rnd:08d}/" in r.key]
             assert puts == [f"t/{contrib_key(rnd, 0, rank)}"]
-            got = {r.key.rsplit("/", 1)[-1] for r in mine if r.method == "GET" and f"/{rnd:08d}/contrib/" in r.key}
-            assert got == {f"rank-{q}" for q in range(3) if q != rank}
+            gets = [r for r in mine if r.method == "GET" and f"/{rnd:08d}/contrib/" in r.key]
+            peers = {f"t/{contrib_key(rnd, 0, q)}" for q in range(3) if q != rank}
+            assert {r.key for r in gets} == peers  # only the peers' votes, never our own
+            assert sorted(r.key for r in gets if r.status != 404) == sorted(peers)  # each read once
+            listings = [r for r in mine if r.method == "GET" and f"{rnd:08d}" in urllib.parse.unquote(r.query)]
+            assert len(listings) == 1, listings  # the confirmation, after every vote is read
+            assert listings[0].arrived >= max(g.answered for g in gets if g.status != 404)
     assert stats[0].participants == [0, 1, 2]
 
 

@@ -14,6 +14,7 @@ from diloco_serverless.exchange import sparse
 from diloco_serverless.exchange.codec import (
     ShardHeader,
     decode_shard,
+    decode_summand,
     encode_shard,
     max_object_bytes,
     pack,
@@ -22,7 +23,8 @@ from diloco_serverless.exchange.codec import (
     validate_codec,
 )
 from diloco_serverless.exchange.errors import CorruptObjectError
-from diloco_serverless.exchange.sparse import SparseSpec
+from diloco_serverless.exchange.robust import guarded_sum
+from diloco_serverless.exchange.sparse import SparseSpec, SparseValues
 
 KEY = "rounds/00000003/contrib/0001/rank-2"
 FUZZ = settings(max_examples=120, deadline=3000, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -40,10 +42,20 @@ def check(data: bytes, expect: ShardHeader) -> torch.Tensor | None:
     except CorruptObjectError as e:
         assert KEY in str(e)
         assert "could not be parsed" not in str(e), f"only the safety net caught it: {e}"
+        with pytest.raises(CorruptObjectError) as sparse_error:  # the sparse decoding refuses it alike
+            decode_summand(data, key=KEY, expect=expect)
+        assert str(sparse_error.value) == str(e)
         return None
     assert out.dtype == torch.float32 and tuple(out.shape) == (expect.numel,)
     assert bool(torch.isfinite(out).all())
+    kept = decode_summand(data, key=KEY, expect=expect)
+    assert isinstance(kept, SparseValues) and same_bits(kept.to_dense(), out)
     return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (``torch.equal`` takes ``-0.0`` for ``0.0``)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def reference_pack(fields: list[int], width: int) -> bytes:
@@ -128,9 +140,18 @@ def test_packing_matches_an_independent_bit_packer() -> None:
     assert spec12.field_bits == 14
 
 
-def test_large_vectors_cross_the_packing_block() -> None:
-    spec = SparseSpec(64, 256, 2)  # 4 entries per ... many fields: more than one packing block
-    n = 256 * (sparse._BLOCK // 64 + 3) + 17
+@pytest.mark.parametrize("width", range(6, 25))
+def test_packing_matches_a_reference_at_every_field_width(width: int) -> None:
+    # index bits 4..16 plus 2, 4 or 8 value bits: every width a layout can have, every bit offset mod 8
+    fields = torch.randint(0, 1 << width, (37,), generator=torch.Generator().manual_seed(width))
+    packed = sparse._pack_bits(fields, width)
+    assert bytes(packed.tolist()) == reference_pack(fields.tolist(), width)
+    assert torch.equal(sparse._unpack_bits(packed, width, 37), fields)
+
+
+def test_large_vectors_round_trip() -> None:
+    spec = SparseSpec(64, 256, 2)
+    n = 256 * 4099 + 17
     x = torch.randn(n, generator=torch.Generator().manual_seed(2))
     y = sparse.decode(sparse.encode(x, spec), spec, n)
     assert int((y != 0).sum()) == 64 * (n // 256) + 17
@@ -226,3 +247,55 @@ def test_padding_bits_and_wrong_lengths_are_refused() -> None:
     enc = sparse.encode(torch.randn(n), other)
     with pytest.raises(CorruptObjectError, match="must hold exactly"):
         decode_shard(_forged(enc["packed"], enc["scales"], spec.name, n), key=KEY, expect=_expect(spec.name, n))
+
+
+# --------------------------------------------------------------------------- summing as sent
+
+
+def _negative_zeros(spec: SparseSpec, n: int, seed: int) -> dict[str, torch.Tensor]:
+    """A valid payload with a zero-scale chunk whose codes carry the sign bit: it decodes to ``-0.0``s."""
+    enc = sparse.encode(torch.randn(n, generator=torch.Generator().manual_seed(seed)), spec)
+    _, entries, _ = sparse._entries(spec, n)
+    fields = sparse._unpack_bits(enc["packed"], spec.field_bits, entries)
+    fields[: spec.k] |= 1 << (spec.bits - 1)  # chunk 0: every code negative ...
+    scales = enc["scales"].clone()
+    scales[0] = 0.0  # ... of a zero scale
+    return {"packed": sparse._pack_bits(fields, spec.field_bits), "scales": scales}
+
+
+@pytest.mark.parametrize("spec", [SparseSpec(8, 64, 2), SparseSpec(3, 32, 8)], ids=lambda s: s.name)
+def test_summing_sparse_values_gives_the_dense_sums_bits(spec: SparseSpec) -> None:
+    """The exchange adds each contribution's kept values at their positions into one accumulator; that is
+    bit for bit the rank-order sum of the dense decoded vectors, with the guard scaling one of them, with
+    ``-0.0`` values, with a last short chunk."""
+    n = 64 * 37 + 5
+    payloads = [_negative_zeros(spec, n, seed) for seed in range(5)]
+    payloads.append(sparse.encode(1e6 * torch.randn(n, generator=torch.Generator().manual_seed(9)), spec))
+    kept = [sparse.decode_sparse(p, spec, n) for p in payloads]
+    dense = [sparse.decode(p, spec, n) for p in payloads]
+    assert bool((dense[0].view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any())  # -0.0s are there
+    reference = torch.zeros(n)
+    for d in dense:  # the dense sum in rank order, as the exchange did before
+        reference += d
+    unguarded = torch.zeros(n)
+    for k in kept[:5]:
+        k.add_to(unguarded)
+    reference5 = torch.zeros(n)
+    for d in dense[:5]:
+        reference5 += d
+    assert same_bits(unguarded, reference5)
+    contributions = list(enumerate(kept))
+    guarded = guarded_sum(contributions, what="test")
+    assert same_bits(guarded, guarded_sum(list(enumerate(dense)), what="test"))
+    assert not same_bits(guarded, reference)  # the 1e6x contribution was scaled by the guard
+
+
+def test_sparse_pieces_join_as_the_dense_vector() -> None:
+    spec = SparseSpec(4, 16, 4)
+    xs = [torch.randn(m, generator=torch.Generator().manual_seed(m)) for m in (40, 16, 7)]
+    pieces = [sparse.decode_sparse(sparse.encode(x, spec), spec, x.numel()) for x in xs]
+    joined = sparse.concat(pieces)
+    assert joined.numel == 63
+    assert same_bits(joined.to_dense(), torch.cat([p.to_dense() for p in pieces]))
+    with pytest.raises(ValueError, match="accumulator of 5"):
+        joined.add_to(torch.zeros(5))

@@ -181,6 +181,35 @@ def test_a_huge_contribution_is_scaled_alike_on_every_replica(url: str, caplog: 
     assert any("contribution of rank 2" in m and "scaled by" in m for m in caplog.messages)
 
 
+def test_hierarchical_rounds_guard_each_groups_partial(caplog: pytest.LogCaptureFixture) -> None:
+    """N = 9: three groups of three, three shards. A huge contribution is scaled against the median of its
+    group's norms of each shard before the group's partial is summed; the result is the tree's sum of the
+    guarded partials, bit-identical on every replica."""
+    n, world, c = 2_700, 9, 3
+    url = f"memory://sparse-{uuid.uuid4().hex[:8]}"
+    xs = {r: randn(n, 60 + r) for r in range(world)}
+    xs[4] = xs[4] * 1e4
+    with caplog.at_level(logging.WARNING, logger="diloco_serverless.exchange.robust"):
+        outs, errors, _ = run_replicas(url, xs, world, codec=CODEC, topology="hierarchical")
+    assert not errors
+    assert_identical(outs)
+    bounds = [(j * n // c, (j + 1) * n // c) for j in range(c)]
+    want = []
+    for a, b in bounds:
+        top = torch.zeros(b - a)
+        for k in range(c):  # group k: ranks 3k .. 3k + 2, its partial guarded against its own median
+            parts = [dec(xs[q][a:b]) for q in range(c * k, c * k + c)]
+            factors = guard_factors([stable_norm(p) for p in parts])
+            assert (factors[1] < 1e-3) == (k == 1) and factors[0] == factors[2] == 1.0
+            partial = torch.zeros(b - a)
+            for p, f in zip(parts, factors):
+                partial += p if f == 1.0 else p * f
+            top += partial
+        want.append(roundtrip(top / world, "int8"))
+    assert torch.equal(outs[0][0], torch.cat(want))
+    assert any("group 1 shard 0" in m and "contribution of rank 4" in m for m in caplog.messages)
+
+
 def test_non_finite_replica_abstains_as_with_dense_codecs(url: str) -> None:
     xs = {r: randn(2_000, r) for r in range(4)}
     xs[1][7] = float("nan")
