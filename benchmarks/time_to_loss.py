@@ -46,7 +46,8 @@ momentum 0.1-0.6 and heavy-ball momentum 0.3 were no better. ``--set outer.lr=0.
   (d) small H   ``--arms abd``: the product without delay, no outer.* override, H = ``--d-sync-every`` (8).
   (e) auto H    ``--arms abe``: the product's ``inner.sync_every = "auto"`` (rank 0 decides each round's H at run
                 time, trainer/round_plan.py; the first rounds run H = 8), no delay, no outer.* override: what a
-                user gets with "auto". The run is T x factor inner steps, as the other arms.
+                user gets with "auto". The run is T x factor inner steps, as the other arms; rank 0 evaluates
+                every ``--sync-every`` inner steps, as in arm b (``eval_every`` counts rounds of the first H).
   (f) auto H + overlap  ``--arms abf``: (e) with ``outer.delay = 1``.
 
 The last table gives every DiLoCo arm's wall time and tokens (steps) to (a)'s final loss as a share of
@@ -639,8 +640,10 @@ def run_auto_arm(setup: Setup, site: StoreSite, work: Path, delay: int) -> dict[
     steps), the product's outer defaults, ``outer.delay = delay``."""
     from diloco_serverless.config import AUTO_SYNC_INITIAL
 
+    # evaluate every sync_every (H of arm b) inner steps, as arm b does: eval_every counts rounds of the first H
+    every = max(1, setup.sync_every // AUTO_SYNC_INITIAL)
     a_setup = replace(setup, sync_every=AUTO_SYNC_INITIAL, diloco_outer=(),
-                      extra=("inner.auto_sync=true", f"outer.delay={delay}", *setup.extra))
+                      extra=("inner.auto_sync=true", f"outer.delay={delay}", f"eval_every={every}", *setup.extra))
     out = run_diloco(a_setup, site, work)
     out["sync_every"] = "auto"
     return out

@@ -725,7 +725,7 @@ class ReplicaTrainer:
         if self.planner is not None and self.planner.rule is not None and committed:
             self.planner.observe(seg.steps, record, wall - blocked)  # rank 0: the next round's H, before
             if self.manager.current_step() < self.total_rounds:  # it evaluates (the others wait for it)
-                self.planner.plan(self.manager.current_step())
+                self.planner.ensure(self.manager.current_step() + 1)  # (round r+1's is stored already)
         eval_loss = None
         # FSDP: the forward is a collective, every local process of replica 0 evaluates
         if outer_done and self.rank == 0 and (self.leader or self.fsdp) and self._due(self.cfg.eval_every,
@@ -744,6 +744,8 @@ class ReplicaTrainer:
     def _due(self, every: int, outer_round: int) -> bool:
         """True every ``every`` outer rounds and after the last round (``every == 0``: last only)."""
         last = self.manager.current_step() >= self.total_rounds
+        if self.planner is not None:  # inner.sync_every = "auto": every `every` x sync_every inner steps
+            return last or (every > 0 and self.planner.crossed(self.manager.current_step() - 1, every))
         return last or (every > 0 and outer_round % every == 0)
 
     def _round_metrics(

@@ -78,7 +78,20 @@ class RoundPlanner:
     def plan(self, round_: int) -> RoundPlan | None:
         """Round ``round_``'s plan, the same on every replica (rank 0 writes it first when none is stored,
         every other replica waits for it), with torchft's H set to it; None when the run's inner steps all
-        lie before ``round_``."""
+        lie before ``round_``. Rank 0 also writes the next round's plan (see :meth:`ensure`)."""
+        plan = self.ensure(round_)
+        if plan is None:
+            return None
+        if self.rule is not None:
+            self.ensure(round_ + 1)
+        for owner in (self.rep.diloco, *self.rep.diloco._fragments):  # one fragment (config): the round's H
+            owner._sync_every = plan.h
+        return plan
+
+    def ensure(self, round_: int) -> RoundPlan | None:
+        """Round ``round_``'s stored plan, written first by rank 0 when there is none. Rank 0 decides one round
+        ahead (round r+2's H at the end of round r, from the timings so far), so a replica waits for a plan only
+        when rank 0 is a whole round behind it (rank 0 evaluates and checkpoints between rounds)."""
         start = self.steps_before(round_)
         if start >= self.total_steps:
             self.on_rounds(round_)
@@ -93,9 +106,14 @@ class RoundPlanner:
         if plan.start != start:
             raise PlanRefused(f"{self.store.url}: the plan of round {round_} starts at inner step {plan.start}, but "
                               f"round {round_ - 1}'s plan ends at {start}; refusing plans that disagree")
-        for owner in (self.rep.diloco, *self.rep.diloco._fragments):  # one fragment (config): the round's H
-            owner._sync_every = plan.h
         return plan
+
+    def crossed(self, round_: int, every: int) -> bool:
+        """Whether round ``round_`` crossed a multiple of ``every`` x sync_every inner steps (``eval_every`` and
+        ``checkpoint_every`` count rounds of the first H, so their cadence in tokens does not depend on the H
+        chosen)."""
+        unit = every * self.cfg.inner.sync_every
+        return self.steps_before(round_ + 1) // unit > self.steps_before(round_) // unit
 
     def _decide(self, round_: int, start: int) -> None:
         """Rank 0: the rule's H for ``round_`` (the configured first H for round 0), stored create-only."""
@@ -103,7 +121,7 @@ class RoundPlanner:
         prev = self.stored(round_ - 1) if round_ > 0 else None
         current = prev.h if prev is not None else self.cfg.inner.sync_every
         h, reason = self.rule.decide(current, measured_before=prev is not None and prev.compute_s is not None)
-        if round_ == 0:
+        if round_ == 0 or (prev is not None and prev.reason == "initial" and self.rule.timings() is None):
             h, reason = self.cfg.inner.sync_every, "initial"
         timed = self.rule.timings()
         h = min(h, self.total_steps - start)

@@ -97,18 +97,19 @@ def _assert_same_globals(a: ReplicaTrainer, b: ReplicaTrainer) -> None:
 def test_replicas_of_different_speeds_run_the_stored_h_of_every_round(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
-    url = _create(f"file://{tmp_path}/store", data, rounds=3, sync_every=2)  # 6 inner steps, starting at H = 2
+    url = _create(f"file://{tmp_path}/store", data, rounds=4, sync_every=2)  # 8 inner steps, starting at H = 2
     out = _train(url, slow_rank=1, monkeypatch=monkeypatch)
     plans = _plans(url)
-    assert plans[0].h == 2 and plans[0].reason == "initial" and plans[0].compute_s is None
-    # from round 1 on rank 0 decided from its timings; the rounds tile the run's 6 inner steps exactly
-    assert all(p.compute_s is not None and p.exchange_s is not None for p in plans[1:])
+    # rank 0 plans one round ahead: rounds 0 and 1 at the first H, from round 2 on from its timings; the
+    # rounds tile the run's 8 inner steps exactly, the last one cut to what is left
+    assert [(p.h, p.reason, p.compute_s) for p in plans[:2]] == [(2, "initial", None), (2, "initial", None)]
+    assert len(plans) >= 3 and all(p.compute_s is not None and p.exchange_s is not None for p in plans[2:])
     assert [p.start for p in plans] == [sum(q.h for q in plans[:i]) for i in range(len(plans))]
-    assert plans[-1].end == 6 and plans[-1].last and not any(p.last for p in plans[:-1])
+    assert plans[-1].end == 8 and plans[-1].last and not any(p.last for p in plans[:-1])
     assert all(1 <= p.h <= 6 for p in plans)
     for rank in (0, 1):
         assert out[rank].manager.current_step() == len(plans)
-        assert out[rank].inner_steps == 6
+        assert out[rank].inner_steps == 8
         metrics = sorted(read_metrics(ObjectStore(url), rank), key=lambda m: m["outer_round"])
         assert [m["inner_steps"] for m in metrics] == [p.h for p in plans]  # what each replica trained
         assert [m["sync_every"] for m in metrics] == [p.h for p in plans]
@@ -154,3 +155,23 @@ def test_a_crashed_replica_resumes_exactly_with_the_stored_plans(tmp_path: Path,
     for rank in (0, 1):
         _assert_same_globals(crashed[rank], reference[rank])
         assert crashed[rank].inner_steps == 8
+
+
+def test_eval_and_checkpoint_cadence_counts_inner_steps_of_the_first_h(tmp_path: Path) -> None:
+    """With auto H, eval_every / checkpoint_every = k fire at the first round boundary past every k x sync_every
+    inner steps, whatever H the rounds ran: the same replicas agree (the plans say it), and short rounds do not
+    multiply the evaluations."""
+    from diloco_serverless.run.sync_plan import RoundPlan, write_plan
+    from diloco_serverless.trainer.round_plan import RoundPlanner
+
+    cfg = RunConfig.load(None, ["inner.sync_every=auto", "rounds=10"])  # H = 8 first, 80 inner steps
+    store = ObjectStore(f"file://{tmp_path}/run")
+    start = 0
+    for r, h in enumerate([8, 8, 3, 3, 3, 3, 20]):
+        write_plan(store, RoundPlan(r, h, start, reason="drift"), None)
+        start += h
+    planner = RoundPlanner(store, None, cfg, 1, None, on_rounds=lambda n: None)  # type: ignore[arg-type]
+    ends = [planner.steps_before(r + 1) for r in range(7)]
+    assert ends == [8, 16, 19, 22, 25, 28, 48]
+    assert [planner.crossed(r, 2) for r in range(7)] == [False, True, False, False, False, False, True]
+    assert [planner.crossed(r, 1) for r in range(7)] == [True, True, False, False, True, False, True]
