@@ -405,6 +405,8 @@ OUTER_DEFAULTS: dict[tuple[int, int, int], tuple[float, float, bool]] = {
     (4, 32, 0): (1.0, 0.0, False),
     (4, 8, 1): (1.0, 0.0, False),
     (4, 16, 1): (1.0, 0.0, False),
+    (8, 8, 0): (1.0, 0.0, False),
+    (8, 16, 0): (1.0, 0.0, False),
 }
 
 
