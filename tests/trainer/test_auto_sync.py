@@ -175,3 +175,17 @@ def test_eval_and_checkpoint_cadence_counts_inner_steps_of_the_first_h(tmp_path:
     assert ends == [8, 16, 19, 22, 25, 28, 48]
     assert [planner.crossed(r, 2) for r in range(7)] == [False, True, False, False, False, False, True]
     assert [planner.crossed(r, 1) for r in range(7)] == [True, True, False, False, True, False, True]
+
+
+def test_auto_is_shorthand_and_the_config_refuses_what_it_cannot_plan() -> None:
+    from diloco_serverless.errors import ConfigError
+
+    cfg = RunConfig.load(None, ["inner.sync_every=auto", "rounds=3"])
+    assert (cfg.inner.auto_sync, cfg.inner.sync_every) == (True, 8)
+    assert RunConfig.load(None, ['inner.sync_every="AUTO"']).inner.auto_sync
+    again = RunConfig.model_validate(cfg.model_dump(mode="json"))  # run.json round trip
+    assert (again.inner.auto_sync, again.inner.sync_every) == (True, 8)
+    with pytest.raises(ConfigError, match="exchange.fragments = 1"):
+        RunConfig.load(None, ["inner.sync_every=auto", "exchange.fragments=2"])
+    with pytest.raises(ConfigError, match=r"must lie in inner.auto_sync_min..auto_sync_max \(16..128\)"):
+        RunConfig.load(None, ["inner.sync_every=auto", "inner.auto_sync_min=16"])
