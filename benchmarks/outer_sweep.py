@@ -5,6 +5,8 @@ Run (from the repo root, venv active):
     python benchmarks/outer_sweep.py                        # N in {2,4,8} x H in {16,32} x 5 outer settings
     python benchmarks/outer_sweep.py --replicas 4 --sync-every 16 32 --delay 0 1 --factor 2
     python benchmarks/outer_sweep.py --replicas 2 --sync-every 8 --grid 1.0,0 0.7,0.9n --steps 48   # smoke
+    python benchmarks/outer_sweep.py --replicas 1 2 4 8 --sync-every 30 --steps 90 --grid 1.0,0 --hidden 256
+        # the scaling-law table (DP against DiLoCo M = 1..8 at H = 30, equal tokens) on a wider Qwen2
 
 Prints a table and writes benchmarks/results/outer_sweep.json.
 
@@ -195,8 +197,20 @@ def main(argv: list[str] | None = None) -> int:
                              "(1: outer.eager = true, 0: false)")
     parser.add_argument("--dp-from", type=Path, default=None,
                         help="reuse the DP curves of an earlier run's JSON (same --steps; DP does not depend on H)")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="a wider member of the tiny Qwen2 family: hidden size (intermediate 4x, heads hidden/32)")
+    parser.add_argument("--layers", type=int, default=None, help="layers of that model (default: the tiny preset's 4)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.hidden or args.layers:  # the tiny preset, resized for this process only (benchmark-local)
+        from diloco_serverless.trainer import model as model_module
+
+        if args.hidden:
+            model_module.TINY_PRESET.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                                            num_attention_heads=max(1, args.hidden // 32),
+                                            num_key_value_heads=max(1, args.hidden // 64))
+        if args.layers:
+            model_module.TINY_PRESET.update(num_hidden_layers=args.layers)
     earlier: dict[int, list[tuple[int, float]]] = {}
     if args.dp_from is not None:
         old = json.loads(args.dp_from.read_text())
@@ -209,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'steps to DP':>11} {'x DP':>6} {'s':>6}", flush=True)
     for n in args.replicas:
         dp_sim = Sim(n, min(args.sync_every), args.steps)
+        if n == args.replicas[0]:
+            from diloco_serverless.trainer.model import count_parameters
+
+            print(f"model: {count_parameters(dp_sim.base):,} parameters", flush=True)
         t0 = time.monotonic()
         dp = earlier.get(n) or run_dp(dp_sim, n, args.steps, min(args.sync_every))
         dp_final = dp[-1][1]

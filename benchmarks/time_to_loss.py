@@ -44,6 +44,11 @@ momentum 0.1-0.6 and heavy-ball momentum 0.3 were no better. ``--set outer.lr=0.
                 measured default for N and H, config.OUTER_DEFAULTS) and H from the rule of trainer/sync_every.py
                 on (b)'s measured compute per inner step and exchange time (``--c-sync-every`` fixes it).
   (d) small H   ``--arms abd``: the product without delay, no outer.* override, H = ``--d-sync-every`` (8).
+  (e) auto H    ``--arms abe``: the product's ``inner.sync_every = "auto"`` (rank 0 decides each round's H at run
+                time, trainer/round_plan.py; the first rounds run H = 8), no delay, no outer.* override: what a
+                user gets with "auto". The run is T x factor inner steps, as the other arms; rank 0 evaluates
+                every ``--sync-every`` inner steps, as in arm b (``eval_every`` counts rounds of the first H).
+  (f) auto H + overlap  ``--arms abf``: (e) with ``outer.delay = 1``.
 
 The last table gives every DiLoCo arm's wall time and tokens (steps) to (a)'s final loss as a share of
 (a)'s, and the replicas' compute share of their wall time (inner steps over the span from the first step to
@@ -378,14 +383,17 @@ def run_diloco(setup: Setup, site: StoreSite, work: Path) -> dict[str, Any]:
     # first of them, since it writes the initial parameters the others wait for)
     starts = [recs[0]["time"] - recs[0]["wall_s"] for rank, recs in metrics.items() if rank != 0 and recs]
     start = min(starts or [metrics[0][0]["time"] - metrics[0][0]["wall_s"]])  # conservative: the first one
-    curve = [(m["time"] - start, (m["round"] + 1) * setup.sync_every, float(m["eval_loss"]))
-             for m in metrics.get(0, []) if "eval_loss" in m]
+    # the inner steps done at each eval (inner.sync_every = "auto": the rounds' H differ)
+    curve = [(m["time"] - start, int(m.get("inner_step_total", (m["round"] + 1) * setup.sync_every)),
+              float(m["eval_loss"])) for m in metrics.get(0, []) if "eval_loss" in m]
     recs = [m for ms in metrics.values() for m in ms]
     last = max(m["time"] for m in recs)
     return {"curve": curve, "wall_s": last - start, "launch_to_done_s": total, "state": str(status.state),
             "sync_every": setup.sync_every, "overrides": setup.overrides(setup.diloco_steps), **_compute_share(metrics),
             "start_stagger_s": max(starts) - min(starts) if starts else 0.0,
-            "steps": setup.diloco_steps, "exchanges": setup.diloco_steps // setup.sync_every,
+            "steps": setup.diloco_steps, "exchanges": len(metrics.get(0, [])),
+            "h_per_round": [m.get("sync_every") for m in metrics.get(0, [])],
+            "h_reasons": [m.get("sync_every_reason") for m in metrics.get(0, []) if m.get("sync_every_reason")],
             "bytes_up": sum(m.get("bytes_up", 0) for m in recs),
             "bytes_down": sum(m.get("bytes_down", 0) for m in recs),
             "exchange_s_mean": sum(m.get("exchange_s", 0.0) for m in recs) / max(1, len(recs)),
@@ -397,16 +405,19 @@ def _compute_share(metrics: dict[int, list[dict[str, Any]]]) -> dict[str, float]
     less its time blocked on the exchange) over the span from the first step to the last record, on the ranks
     that do not evaluate (rank 0 also evaluates); and the mean compute seconds per inner step and exchange
     seconds per round (inputs of the H rule, diloco_serverless/trainer/sync_every.py)."""
-    shares, per_step, exchange = [], [], []
+    shares, waits, per_step, exchange = [], [], [], []
     for rank, recs in metrics.items():
         if not recs:
             continue
         span = recs[-1]["time"] - (recs[0]["time"] - recs[0]["wall_s"])
         if rank != 0 and span > 0:
             shares.append(sum(r.get("inner_s", 0.0) for r in recs) / span)
+            waits.append(sum(r.get("wait_s", 0.0) for r in recs) / span)
         per_step += [r["inner_s"] / r["inner_steps"] for r in recs if r.get("inner_steps")]
         exchange += [r["exchange_s"] for r in recs if r.get("exchange_s")]
     return {"compute_share": sum(shares) / len(shares) if shares else 0.0,
+            # blocked on the exchange inside rounds; the rest of the span is between rounds (gap_s, eval_s)
+            "wait_share": sum(waits) / len(waits) if waits else 0.0,
             "compute_s_per_step": sorted(per_step)[len(per_step) // 2] if per_step else 0.0,
             "exchange_s_median": sorted(exchange)[len(exchange) // 2] if exchange else 0.0}
 
@@ -597,6 +608,15 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"{ARM_LABELS.get(key, key):<34}{r['sync_every']:>4}{f(r['loss_at_T'], '.4f'):>8}"
               f"{f(r['wall_s'], '.1f'):>8}{f(r['steps'], 'd'):>7}{f(r['over_a_wall'], '.3f'):>9}"
               f"{f(r['over_a_tokens'], '.2f'):>11}{f(100 * r['compute_share'], '.1f'):>10}")
+    print("\nwhere the replicas' time goes (ranks other than 0; share of the span from first step to last record)")
+    for key in arms:
+        arm = res["arms"][key]
+        other = 1.0 - arm["compute_share"] - arm.get("wait_share", 0.0)
+        print(f"{ARM_LABELS.get(key, key):<40} compute {100 * arm['compute_share']:5.1f} %  blocked on exchange "
+              f"{100 * arm.get('wait_share', 0.0):5.1f} %  between rounds {100 * other:5.1f} % "
+              f"(gap {arm.get('gap_s', 0.0) * 1e3:.0f} ms/round, rank 0 eval {arm.get('eval_s', 0.0) * 1e3:.0f} ms); "
+              f"H per round {arm.get('h_per_round')}")
+    print(f"load average (1, 5, 15 min): start {res['machine']['load_avg']}, end {res.get('load_avg_end')}")
     t = summ["target"]
     verdict = "-" if t["b_over_a_wall"] is None else f"{t['b_over_a_wall']:.3f}x"
     print(f"target: (b) reaches (a)'s final eval loss in <= 0.2x (a)'s wall time: {verdict} "
@@ -604,7 +624,8 @@ def print_table(res: dict[str, Any]) -> None:
 
 
 ARM_LABELS = {"b_diloco": "(b) DiLoCo (--set, baseline outer)", "c_overlap": "(c) overlap, H rule, product outer",
-              "d_small_h": "(d) no overlap, small H, product outer"}
+              "d_small_h": "(d) no overlap, small H, product outer", "e_auto": "(e) auto H, product outer",
+              "f_auto_overlap": "(f) auto H + overlap, product outer"}
 
 
 def run_product_arm(setup: Setup, site: StoreSite, work: Path, h: int, delay: int) -> dict[str, Any]:
@@ -612,6 +633,20 @@ def run_product_arm(setup: Setup, site: StoreSite, work: Path, h: int, delay: in
     ``--set``'s: the measured default for N and H) and ``outer.delay = delay`` at ``h`` inner steps per round."""
     c_setup = replace(setup, sync_every=h, diloco_outer=(), extra=(f"outer.delay={delay}", *setup.extra))
     return run_diloco(c_setup, site, work)
+
+
+def run_auto_arm(setup: Setup, site: StoreSite, work: Path, delay: int) -> dict[str, Any]:
+    """(e) and (f): the product's ``inner.sync_every = "auto"`` (first rounds at H = 8, the run T x factor inner
+    steps), the product's outer defaults, ``outer.delay = delay``."""
+    from diloco_serverless.config import AUTO_SYNC_INITIAL
+
+    # evaluate every sync_every (H of arm b) inner steps, as arm b does: eval_every counts rounds of the first H
+    every = max(1, setup.sync_every // AUTO_SYNC_INITIAL)
+    a_setup = replace(setup, sync_every=AUTO_SYNC_INITIAL, diloco_outer=(),
+                      extra=("inner.auto_sync=true", f"outer.delay={delay}", f"eval_every={every}", *setup.extra))
+    out = run_diloco(a_setup, site, work)
+    out["sync_every"] = "auto"
+    return out
 
 
 def overlap_h(args: argparse.Namespace, res: dict[str, Any]) -> int:
@@ -699,6 +734,11 @@ def main(argv: list[str] | None = None) -> int:
         if "d" in args.arms:
             res["arms"]["d_small_h"] = run_product_arm(setup, site, Path(tmp), args.d_sync_every, delay=0)
             print(f"d_small_h: {json.dumps(res['arms']['d_small_h'])}", flush=True)
+        for arm, key, delay in (("e", "e_auto", 0), ("f", "f_auto_overlap", 1)):
+            if arm in args.arms:
+                res["arms"][key] = run_auto_arm(setup, site, Path(tmp), delay)
+                print(f"{key}: {json.dumps(res['arms'][key])}", flush=True)
+    res["load_avg_end"] = os.getloadavg()
     if "a_sync_dp" in res["arms"] and "b_diloco" in res["arms"]:
         digests = {d for arm in res["arms"].values() for d in arm["init_digests"]}
         res["same_init"] = len(digests) == 1

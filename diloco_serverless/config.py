@@ -301,6 +301,12 @@ class DataConfig(_Section):
         return self
 
 
+#: H of the first rounds with ``inner.sync_every = "auto"``, before any timing is measured: the H with the fewest
+#: tokens to DP's loss in the outer sweep at N = 4 (docs/replica.md), and short enough that a slow store
+#: costs one short round before rank 0 measures it.
+AUTO_SYNC_INITIAL = 8
+
+
 class InnerConfig(_Section):
     """The inner optimizer (AdamW) every replica runs for ``sync_every`` steps between syncs."""
 
@@ -309,7 +315,8 @@ class InnerConfig(_Section):
     weight_decay: float = Field(0.1, ge=0.0, description="AdamW decoupled weight decay.")
     grad_clip: float = Field(1.0, ge=0.0, description="Max global grad norm per inner step; 0 disables clipping.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
-    sync_every: int = Field(16, ge=1, description="H: inner steps per round (between outer syncs of the whole model).")
+    sync_every: int = Field(16, ge=1, description="H: inner steps per round (between outer syncs of the whole model); "
+                            "\"auto\": decided at run time (inner.auto_sync).")
     schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description="Inner lr after the warmup, over the whole run (rounds x sync_every inner steps): constant, or "
@@ -318,6 +325,22 @@ class InnerConfig(_Section):
     min_lr_ratio: float = Field(
         0.1, ge=0.0, le=1.0, description="Final inner lr of the linear and cosine schedules, as a fraction of inner.lr."
     )
+    auto_sync: bool = Field(
+        False,
+        description='H decided at run time (what inner.sync_every = "auto" sets): rank 0 picks each round\'s H from '
+        "measured compute and exchange times, starting at sync_every; the run stays rounds x sync_every inner steps "
+        "(docs/replica.md, \"H decided at run time\").",
+    )
+    auto_sync_min: int = Field(4, ge=1, description="With auto_sync: the smallest H rank 0 may pick.")
+    auto_sync_max: int = Field(128, ge=1, description="With auto_sync: the largest H rank 0 may pick.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sync_every_auto(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("sync_every"), str) \
+                and data["sync_every"].strip().lower() == "auto":
+            return {**data, "sync_every": AUTO_SYNC_INITIAL, "auto_sync": True}
+        return data
 
     @field_validator("betas")
     @classmethod
@@ -382,6 +405,8 @@ OUTER_DEFAULTS: dict[tuple[int, int, int], tuple[float, float, bool]] = {
     (4, 32, 0): (1.0, 0.0, False),
     (4, 8, 1): (1.0, 0.0, False),
     (4, 16, 1): (1.0, 0.0, False),
+    (8, 8, 0): (1.0, 0.0, False),
+    (8, 16, 0): (1.0, 0.0, False),
 }
 
 
@@ -855,6 +880,8 @@ class RunConfig(_Section):
                 f"exchange.fragment_sync_delay = 0 and parallel.devices = 1 (got {f}, "
                 f"{self.exchange.fragment_sync_delay}, {self.parallel.devices}); set outer.delay = 0 or change those"
             )
+        if self.inner.auto_sync:
+            self._check_auto_sync()
         if not self.outer.model_fields_set & {"lr", "momentum", "nesterov"}:  # none set: by (N, H)
             lr, momentum, nesterov = outer_defaults(self.replicas, h, self.outer.delay)
             outer = OuterConfig(lr=lr, momentum=momentum, nesterov=nesterov, delay=self.outer.delay,
@@ -882,6 +909,21 @@ class RunConfig(_Section):
                 )
         _refuse_secrets(self.model_dump(mode="json"), "")
         return self
+
+    def _check_auto_sync(self) -> None:
+        inner, ex = self.inner, self.exchange
+        if not inner.auto_sync_min <= inner.sync_every <= inner.auto_sync_max:
+            raise ValueError(
+                f"inner.auto_sync: the first rounds' H, inner.sync_every ({inner.sync_every}), must lie in "
+                f"inner.auto_sync_min..auto_sync_max ({inner.auto_sync_min}..{inner.auto_sync_max}); change one"
+            )
+        if ex.fragments != 1 or ex.fragment_sync_delay or self.parallel.devices > 1 or self.loss.channel1 != "lm":
+            raise ValueError(
+                'inner.sync_every = "auto" decides whole-model rounds of language modelling on one device: it needs '
+                "exchange.fragments = 1, exchange.fragment_sync_delay = 0, parallel.devices = 1 and "
+                f'loss.channel1 = "lm" (got {ex.fragments}, {ex.fragment_sync_delay}, {self.parallel.devices}, '
+                f'"{self.loss.channel1}"); set a number for inner.sync_every or change those'
+            )
 
     # ---------------------------------------------------------------- loading
     @classmethod

@@ -164,7 +164,9 @@ def totals_line(status: RunStatus) -> str:
     gpu = f" ({status.gpu})" if status.gpu else ""
     devices = f" | {status.devices_per_replica} devices per replica" if status.devices_per_replica > 1 else ""
     parts = [
-        f"state {status.state}", f"round {_round_of(status)}", f"loss {fmt_loss(status.loss)}",
+        f"state {status.state}", f"round {_round_of(status)}",
+        *([f"H {status.sync_every[0]} ({status.sync_every[1]})"] if status.sync_every else []),
+        f"loss {fmt_loss(status.loss)}",
         f"eval loss {fmt_loss(status.eval_loss)}", f"moved {fmt_bytes(status.bytes_moved)}",
         f"elapsed {fmt_duration(status.elapsed_s)}",
         f"est. spend {fmt_usd(status.est_usd)} on {status.executor or '?'}{gpu}{devices}",

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_serverless.config import STORE_TIMEOUT_S, RunConfig
-from diloco_serverless.errors import DilocoError, LaunchError, one_line
+from diloco_serverless.errors import DilocoError, LaunchError, StoreError, one_line
 from diloco_serverless.executors.base import ServerlessExecutor
 from diloco_serverless.executors.registry import executor_from_launch, executor_kind
 from diloco_serverless.launcher import pricing
@@ -99,6 +99,7 @@ from diloco_serverless.run.record import (
     timeout_policy,
 )
 from diloco_serverless.run.starts import StartRecord, read_starts
+from diloco_serverless.run.sync_plan import latest_plan
 from diloco_serverless.store.errors import ObjectNotFound, ObjectTooLarge
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.tracking import Tracker, TrackingError, check_backends
@@ -288,7 +289,18 @@ class Run:
             est_usd=est, eval_loss=eval_curve[-1][1] if eval_curve else None, final_url=final_url,
             devices_per_replica=self.config.parallel.devices,
             failures=[(r.rank, r.reason or r.state) for r in replicas if r.state == FAILED],
+            sync_every=self._sync_every(),
         )
+
+    def _sync_every(self) -> tuple[int, str] | None:
+        """inner.sync_every = "auto": the newest plan's (H, reason), from a plan that verifies; else None."""
+        if not self.config.inner.auto_sync:
+            return None
+        try:
+            plan = latest_plan(self._store, self._run_key)
+        except (StoreError, ValueError):
+            return None
+        return None if plan is None else (plan.h, plan.reason)
 
     def _rank_starts(self, heartbeats: dict[int, Heartbeat]) -> dict[int, RankStarts]:
         """Each rank's launches (run.json) matched with its start records and heartbeat (see RankStarts)."""

@@ -131,6 +131,8 @@ class RunStatus:
     #: devices (local processes) per replica, ``parallel.devices``; the spend estimate counts each
     #: (the executor's price is per replica, all its GPUs)
     devices_per_replica: int = 1
+    #: inner.sync_every = "auto": H of the newest round rank 0 planned and why (run/sync_plan.py)
+    sync_every: tuple[int, str] | None = None
 
     @property
     def round(self) -> int | None:

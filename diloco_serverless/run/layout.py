@@ -25,6 +25,7 @@ METRICS_PREFIX = "metrics"
 LOGS_PREFIX = "logs"
 FINAL_PREFIX = "final"
 SLICES_PREFIX = "slices"
+SYNC_PLAN_PREFIX = "sync_every"
 #: Replicas per key prefix of a round's ready markers and quorum copies above 64 (:func:`control_spread`).
 REPLICAS_PER_CONTROL_PREFIX = 64
 #: Exchange data objects of large runs live under ``x<2 hex>/`` spread prefixes (see :func:`spread_count`).
@@ -254,6 +255,11 @@ def start_key(rank: int, time_ms: int, token: str) -> str:
     if not token or not token.isalnum():
         raise ValueError(f"start record token must be letters and digits, got {token!r}")
     return f"{start_prefix(rank)}/{time_ms:013d}-{token}.json"
+
+
+def sync_plan_key(round: int) -> str:
+    """``sync_every/<round:08d>.json``: H of ``round`` (``inner.sync_every = "auto"``), decided by rank 0."""
+    return f"{SYNC_PLAN_PREFIX}/{fmt_round(round)}.json"
 
 
 def metrics_prefix(rank: int) -> str:

@@ -48,6 +48,8 @@ RL_SERIES = {
     "generation_share": "rl/generation_share", "rl_kl": "rl/kl", "rl_entropy": "rl/entropy",
     "rl_clip_fraction": "rl/clip_fraction",
 }  # fmt: skip
+#: The round's H, logged when the records hold it (``inner.sync_every = "auto"`` changes it during a run).
+SYNC_SERIES = "optim/sync_every"
 #: Keys a record may hold ``compose_loss``'s total under (the trainer writes ``total``; older or other
 #: writers ``loss``), first present wins, as ``diloco plot`` reads them.
 TOTAL_LOSS_KEYS = ("total", "loss", "train_loss")
@@ -152,6 +154,7 @@ def global_values(records: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
     out["replicas/abstained"] = float(sum(1 for rec in recs if rec.get("abstained")))
     out["replicas/late"] = float(sum(1 for rec in recs if rec.get("late") is True))
     _put(out, "optim/inner_lr", _mean(_values(recs, "lr")))
+    _put(out, SYNC_SERIES, _mean(_values(recs, "sync_every")))  # H of the round (SYNC_SERIES)
     for key, series in RL_SERIES.items():
         _put(out, series, _mean(_values(recs, key)))
     for key in sorted({k for rec in recs for k in rec if isinstance(k, str) and k.startswith("reward/")}):

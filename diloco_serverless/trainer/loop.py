@@ -102,6 +102,7 @@ from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
 from diloco_serverless.trainer.model import autocast, build_model, compile_model
 from diloco_serverless.trainer.overlap import DelayedObjectStoreManager, apply_last_update, enable_delay, shown_record
 from diloco_serverless.trainer.reports import ReportWriter
+from diloco_serverless.trainer.round_plan import RoundPlanner
 from diloco_serverless.trainer.segment import COMPONENTS as _COMPONENTS
 from diloco_serverless.trainer.segment import Segment as _Segment
 from diloco_serverless.trainer.segment import add_components as _add
@@ -229,8 +230,14 @@ class ReplicaTrainer:
             self.rep = FSDPReplica(self.rep, local)
         elif local is not None:  # each local process keeps the outer momentum of its slice only
             shard_outer_optimizers(self.rep, local)
-        self.taid = self._build_taid()
         self.total_inner_steps = cfg.rounds * cfg.inner.sync_every  # what inner.schedule spans
+        self.taid = self._build_taid()
+        #: inner.sync_every = "auto": each round's H from the stored plans (trainer/round_plan.py); the number
+        #: of rounds is known once the last round's plan is read (until then an upper bound)
+        self.planner = (RoundPlanner(run_store, run_key, cfg, rank, self.rep, on_rounds=self._set_rounds)
+                        if cfg.inner.auto_sync else None)
+        if self.planner is not None:
+            self.total_rounds = self.planner.max_rounds
         self.micro_batch = rows_per_pass(cfg)
         # per-round divergence record, on the device (read once per round, see _check_divergence):
         # the first inner step whose loss was not finite (-1: none) and that loss; _skip is the fused
@@ -358,7 +365,7 @@ class ReplicaTrainer:
         if loss.sdpo_wrapper != "taid" or loss.alpha_sdpo == 0:
             return None
         return TAIDScheduler(
-            self.total_rounds * self.rep.inner_steps_per_round,
+            self.total_inner_steps,
             loss.taid_t_start,
             loss.taid_t_end,
             loss.taid_alpha,
@@ -406,11 +413,12 @@ class ReplicaTrainer:
         self.replayed += replayed
         gained = self.manager.current_step() - before
         if gained:
-            per_round = self.rep.inner_steps_per_round
-            self.inner_steps = self.manager.current_step() * per_round
+            now = self.manager.current_step()
+            self.inner_steps = self._steps_before(now)
             implied = self.inner_steps * self.cfg.data.batch_size
             self.data.position = (
-                implied if position is None else position + replayed * per_round * self.cfg.data.batch_size
+                implied if position is None
+                else position + (self.inner_steps - self._steps_before(now - replayed)) * self.cfg.data.batch_size
             )
         return gained
 
@@ -536,8 +544,12 @@ class ReplicaTrainer:
             self._leave_retraining()
         if replayed:  # the others finished rounds without us: skip the data they stand for
             self.replayed += replayed
-            self.inner_steps += replayed * self.rep.inner_steps_per_round
-            self.data.position += replayed * self.rep.inner_steps_per_round * self.cfg.data.batch_size
+            now = self.manager.current_step()
+            skipped = self._steps_before(now) - self._steps_before(now - replayed)
+            self.inner_steps += skipped
+            self.data.position += skipped * self.cfg.data.batch_size
+        if self.planner is not None and not self.planner.plan(self.manager.current_step()):
+            return  # the run's inner steps are all done
         if self.manager.current_step() >= self.total_rounds:
             return
         round_, seg = self.manager.current_step(), _Segment()
@@ -711,6 +723,10 @@ class ReplicaTrainer:
             self.bytes_down += down
         outer_done = committed and self.manager.current_step() % self.fragments == 0
         outer_round = self.manager.current_step() // self.fragments
+        if self.planner is not None and self.planner.rule is not None and committed:
+            self.planner.observe(seg.steps, record, wall - blocked)  # rank 0: the next round's H, before
+            if self.manager.current_step() < self.total_rounds:  # it evaluates (the others wait for it)
+                self.planner.ensure(self.manager.current_step() + 1)  # (round r+1's is stored already)
         eval_loss = None
         # FSDP: the forward is a collective, every local process of replica 0 evaluates
         if outer_done and self.rank == 0 and (self.leader or self.fsdp) and self._due(self.cfg.eval_every,
@@ -729,6 +745,8 @@ class ReplicaTrainer:
     def _due(self, every: int, outer_round: int) -> bool:
         """True every ``every`` outer rounds and after the last round (``every == 0``: last only)."""
         last = self.manager.current_step() >= self.total_rounds
+        if self.planner is not None:  # inner.sync_every = "auto": every `every` x sync_every inner steps
+            return last or (every > 0 and self.planner.crossed(self.manager.current_step() - 1, every))
         return last or (every > 0 and outer_round % every == 0)
 
     def _round_metrics(
@@ -760,6 +778,7 @@ class ReplicaTrainer:
             "data_bad_rows": self.data.bad_rows,  # unusable rows skipped so far (data.max_bad_fraction)
             "lr": self.inner.param_groups[0]["lr"],
             "devices": self.local.size if self.local is not None else 1,
+            "sync_every": seg.steps if self.planner is not None else self.rep.inner_steps_per_round,
             **self.steps.round_metrics(inner_s),  # RL: rewards, completion length, generation share
         }
         if record is not None:
@@ -777,7 +796,20 @@ class ReplicaTrainer:
             )
         if eval_loss is not None:
             out["eval_loss"] = eval_loss
+        plan = self.planner.plans.get(round_) if self.planner is not None else None
+        if plan is not None:  # what rank 0 decided this round's H from
+            out.update(sync_every=plan.h, sync_every_reason=plan.reason, sync_every_compute_s=plan.compute_s,
+                       sync_every_exchange_s=plan.exchange_s)
         return out
+
+    def _steps_before(self, round_: int) -> int:
+        """Inner steps of the run before round ``round_`` (``inner.sync_every = "auto"``: from the plans)."""
+        if self.planner is not None:
+            return self.planner.steps_before(round_)
+        return max(0, round_) * self.rep.inner_steps_per_round
+
+    def _set_rounds(self, rounds: int) -> None:
+        self.total_rounds = min(self.total_rounds, rounds)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -7,15 +7,24 @@ for its exchange, so H must make the exchange a small share of the round: the sm
 ``exchange <= (1 - share) / share x H x compute`` keeps compute at ``share`` of the wall time. Smaller H
 costs fewer tokens to a given loss (more frequent averaging), so the smallest H that meets the bound wins.
 
-Used by ``benchmarks/time_to_loss.py`` to set its overlap arm's H from the timings it measured; the
-replica does not re-decide H during a run (``inner.sync_every`` stays a number).
+:class:`AutoSyncEvery` is rank 0's side of ``inner.sync_every = "auto"``: it keeps the last rounds' timings
+and re-decides H only when the rule's answer drifts out of a band around the current H (hysteresis: timings
+that wobble do not make H flap). The decision travels through the store (:mod:`diloco_serverless.run.sync_plan`).
+``benchmarks/time_to_loss.py`` also uses :func:`choose_sync_every` directly.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
-__all__ = ["choose_sync_every"]
+__all__ = ["DRIFT", "WINDOW", "AutoSyncEvery", "choose_sync_every"]
+
+#: rounds whose timings the decision looks at (their median: one slow round does not move H)
+WINDOW = 3
+#: H changes only when the rule's answer leaves [H / (1 + DRIFT), H x (1 + DRIFT)]
+DRIFT = 0.25
 
 
 def choose_sync_every(compute_s_per_step: float, exchange_s: float, *, overlap: bool, margin: float = 1.25,
@@ -38,3 +47,53 @@ def choose_sync_every(compute_s_per_step: float, exchange_s: float, *, overlap: 
         if h * compute_s_per_step >= need:
             return h
     return candidates[-1]
+
+
+class AutoSyncEvery:
+    """Rank 0's choice of H for ``inner.sync_every = "auto"``: :meth:`observe` each round's measured compute
+    per inner step and exchange time, then :meth:`decide` the next round's H from the current one.
+
+    The first decision after the initial H is made as soon as one round's timings are known; from then on
+    the rule's answer (on the median of the last :data:`WINDOW` rounds) replaces H only when it leaves the
+    band ``[H / (1 + drift), H x (1 + drift)]``. With ``overlap`` (``outer.delay = 1``) the rule is the
+    smallest H whose compute hides ``margin`` x the exchange behind the next round; without, the smallest H
+    that keeps compute at ``share`` of the round.
+    """
+
+    def __init__(self, *, overlap: bool, lo: int, hi: int, drift: float = DRIFT, window: int = WINDOW,
+                 margin: float = 1.25, share: float = 0.95) -> None:
+        if not 1 <= lo <= hi or drift < 0 or window < 1:
+            raise ValueError(f"need 1 <= lo <= hi, drift >= 0 and window >= 1 (got {lo}, {hi}, {drift}, {window})")
+        self.overlap, self.lo, self.hi, self.drift = overlap, lo, hi, drift
+        self.margin, self.share = margin, share
+        self.compute: deque[float] = deque(maxlen=window)
+        self.exchange: deque[float] = deque(maxlen=window)
+
+    def observe(self, compute_s_per_step: float, exchange_s: float) -> None:
+        """Record one round's timings; rounds without a measured exchange (replayed, late, failed, the first
+        round with overlap) are not passed here."""
+        if compute_s_per_step > 0 and math.isfinite(compute_s_per_step) and exchange_s >= 0 \
+                and math.isfinite(exchange_s):
+            self.compute.append(compute_s_per_step)
+            self.exchange.append(exchange_s)
+
+    def timings(self) -> tuple[float, float] | None:
+        """(compute per step, exchange) the decision uses: medians of the window, None before any round."""
+        if not self.compute:
+            return None
+        return statistics.median(self.compute), statistics.median(self.exchange)
+
+    def decide(self, current: int, *, measured_before: bool) -> tuple[int, str]:
+        """The next round's H and why: ``"kept"`` (no timings, or the rule's answer is within the band),
+        ``"measured"`` (the first decision from timings when ``measured_before`` is False: no band) or
+        ``"drift"``."""
+        timed = self.timings()
+        if timed is None:
+            return current, "kept"
+        want = choose_sync_every(timed[0], timed[1], overlap=self.overlap, margin=self.margin, share=self.share,
+                                 lo=self.lo, hi=self.hi)
+        if not measured_before:
+            return want, "measured"
+        if want > current * (1.0 + self.drift) or want * (1.0 + self.drift) < current:
+            return want, "drift"
+        return current, "kept"

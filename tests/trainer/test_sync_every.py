@@ -33,3 +33,32 @@ def test_bad_timings_are_refused(compute: float, exchange: float) -> None:
 def test_no_divisor_in_range_is_refused() -> None:
     with pytest.raises(ValueError, match="divides 7"):
         choose_sync_every(0.1, 1.0, overlap=True, lo=2, hi=6, divides=7)
+
+
+def test_auto_h_reacts_to_a_slower_store_and_does_not_flap() -> None:
+    from diloco_serverless.trainer.sync_every import AutoSyncEvery
+
+    rule = AutoSyncEvery(overlap=True, lo=4, hi=128)
+    assert rule.decide(8, measured_before=False) == (8, "kept")  # no timings yet: the initial H stays
+    rule.observe(0.1, 0.5)  # 0.5 s exchange: 1.25 x 0.5 / 0.1 -> 7 steps
+    assert rule.decide(8, measured_before=False) == (7, "measured")
+    for exchange in (0.52, 0.55, 0.6):  # wobble: the rule says 7-8, inside the band around 7
+        rule.observe(0.1, exchange)
+        assert rule.decide(7, measured_before=True) == (7, "kept")
+    for _ in range(2):  # the store slows down to 2 s per exchange: the median follows after two rounds
+        rule.observe(0.1, 2.0)
+    assert rule.decide(7, measured_before=True) == (25, "drift")
+    for _ in range(3):  # and back to fast: H comes down again
+        rule.observe(0.1, 0.3)
+    assert rule.decide(25, measured_before=True) == (4, "drift")
+
+
+def test_auto_h_without_overlap_keeps_compute_at_95_percent() -> None:
+    from diloco_serverless.trainer.sync_every import AutoSyncEvery
+
+    rule = AutoSyncEvery(overlap=False, lo=4, hi=64)
+    rule.observe(0.1, 0.2)  # 0.2 s x 19 = 3.8 s of compute per round -> 38 steps
+    assert rule.decide(8, measured_before=False) == (38, "measured")
+    rule.observe(0.1, 100.0)  # unmeasured rounds are not passed; one huge one does not move the median
+    rule.observe(0.1, 0.2)
+    assert rule.decide(38, measured_before=True) == (38, "kept")
