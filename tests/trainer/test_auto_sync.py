@@ -94,6 +94,7 @@ def _assert_same_globals(a: ReplicaTrainer, b: ReplicaTrainer) -> None:
         assert torch.equal(ga[k], gb[k]), f"{k} differs"
 
 
+@pytest.mark.slow
 def test_replicas_of_different_speeds_run_the_stored_h_of_every_round(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
@@ -134,6 +135,7 @@ def test_a_forged_plan_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert trainer.inner_steps == 0
 
 
+@pytest.mark.slow
 def test_a_crashed_replica_resumes_exactly_with_the_stored_plans(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference run decides its H; the crash run starts with the reference's plans stored (so both
