@@ -237,6 +237,7 @@ class ObjectStoreAllReduce:
         self._next_round = 0
         self._attempted: int | None = None  # the round of the last allreduce call (finished or not)
         self._residuals: dict[str, torch.Tensor] = {}
+        self._plans: dict[int, str] = {}  # round -> the plan it is trained under (bind_plan)
         self._pool: ThreadPoolExecutor | None = None
         self._io: CountingStore | None = None
         if world_size > 1:  # world_size == 1 touches no store, not even to open it
@@ -515,7 +516,7 @@ class ObjectStoreAllReduce:
         own = self._put_contributions(rs, flat, self._ready_lister(rs))
         self._before_ready(rs)
         key = ready_key(rs.r, self.rank, marker_tag(rs.me, self._run_key), control_spread(self.world_size))
-        io.put(key, signed_json(self._run_key, "ready", asdict(rs.me), key))
+        io.put(key, signed_json(self._run_key, "ready", rs.me.to_json(), key))
         return own
 
     def _ready_lister(self, rs: _Round) -> Callable[[], set[int]] | None:
@@ -848,7 +849,17 @@ class ObjectStoreAllReduce:
             self.codec,
             protocol,
             split,
+            self._plans.get(r),
         )
+
+    def bind_plan(self, round: int, plan: str) -> None:
+        """Tie round ``round`` to the plan this replica trains it under (``inner.sync_every = "auto"``: its H
+        and first inner step). The plan goes into the round's signed ready marker, so replicas that trained
+        the round under different plans (a stored plan deleted and replaced by another) fail the round
+        with a :class:`MismatchError` on every replica instead of averaging rounds of different lengths."""
+        self._plans[round] = plan
+        for old in [k for k in self._plans if k < round - 8]:
+            del self._plans[old]
 
     def _reduced_header(self, r: int, j: int, bounds: tuple[int, int], ref: ReadyMarker,
                         quorum: Quorum) -> ShardHeader:

@@ -83,15 +83,27 @@ class ReadyMarker:
     codec: str
     protocol: str = "flat"  # direct, flat or hierarchical (diloco_serverless.exchange.topology)
     split: int = 1  # pieces per replica share (diloco_serverless.exchange.topology.split_for)
+    #: the round's plan when the run decides H at run time (``inner.sync_every = "auto"``): replicas that
+    #: trained the round under different plans (one of them deleted and replaced) fail it, never average it
+    plan: str | None = None
 
     def signature(self) -> tuple[Any, ...]:
-        return (self.world_size, self.numel, self.dtype, self.codec, self.protocol, self.split)
+        return (self.world_size, self.numel, self.dtype, self.codec, self.protocol, self.split, self.plan)
 
     def describe(self) -> str:
         return (
             f"rank {self.rank}: shape {tuple(self.shape)} ({self.numel} elements, {self.dtype}, codec {self.codec}, "
-            f"{self.protocol} exchange{f', {self.split} pieces per share' if self.split != 1 else ''})"
+            f"{self.protocol} exchange{f', {self.split} pieces per share' if self.split != 1 else ''}"
+            f"{f', round plan {self.plan}' if self.plan is not None else ''})"
         )
+
+    def to_json(self) -> dict[str, Any]:
+        """The marker as stored and signed (``plan`` only when the run has one, so markers of fixed-H runs
+        are byte-for-byte what they were before plans existed)."""
+        doc = asdict(self)
+        if self.plan is None:
+            del doc["plan"]
+        return doc
 
     @classmethod
     def parse(cls, data: bytes, *, key: str, run_key: bytes | None = None) -> ReadyMarker:
@@ -108,10 +120,12 @@ class ReadyMarker:
     @classmethod
     def from_json(cls, obj: dict[str, Any], *, key: str) -> ReadyMarker:
         try:
-            optional = {"split"}  # markers of earlier versions do not carry it (1)
+            optional = {"split", "plan"}  # markers of earlier versions / fixed-H runs do not carry them
             marker = cls(**{f: obj[f] for f in cls.__dataclass_fields__ if f in obj or f not in optional})
         except (KeyError, TypeError) as e:
             raise CorruptObjectError(f"ready marker {key!r} is malformed ({e}); refusing it") from e
+        if marker.plan is not None and (type(marker.plan) is not str or len(marker.plan) > 200):
+            raise CorruptObjectError(f"ready marker {key!r} has plan={marker.plan!r}, not a short string; refusing it")
         if type(marker.split) is not int or marker.split < 1:
             raise CorruptObjectError(f"ready marker {key!r} has split={marker.split!r}, not a count >= 1; refusing it")
         return marker
@@ -128,7 +142,7 @@ def marker_tag(marker: ReadyMarker, run_key: bytes | None) -> str:
     key, i.e. the ``mac`` field of the stored marker, so only a holder of the key can name a marker;
     without a run key the SHA-256 of the marker's canonical JSON (integrity, not authenticity, as for
     everything in a run without a key)."""
-    doc = asdict(marker)
+    doc = marker.to_json()
     if run_key is not None:  # signed for the marker's place: rank r's marker of its round, wherever it is spread
         return str(mac_json(run_key, "ready", doc, place=ready_key(marker.round, marker.rank))[MAC_FIELD])
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
@@ -194,7 +208,7 @@ class Quorum:
             "participants": self.participants,
             "created_by": self.created_by,
             "created_at": time.time(),
-            "markers": {str(r): asdict(m) for r, m in self.markers.items()},
+            "markers": {str(r): m.to_json() for r, m in self.markers.items()},
         }
 
     @classmethod

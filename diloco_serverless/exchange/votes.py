@@ -125,13 +125,13 @@ class Entry:
 def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -> tuple[bytes, torch.Tensor]:
     """Rank ``me.rank``'s contribution object (its marker in the header) and the values others will decode."""
     enc = encode_values(values, me.codec)
-    header = {**asdict(piece_header(me, 0, (0, me.numel))), "marker": asdict(me)}
+    header = {**asdict(piece_header(me, 0, (0, me.numel))), "marker": me.to_json()}
     return pack(enc, header, run_key, place=vote_keys(me)[me.rank]), decode_values(enc, me.codec, me.numel)
 
 
 def vote(me: ReadyMarker, run_key: bytes | None) -> bytes:
     """Rank ``me.rank``'s vote when its contribution is several objects: its marker, no values."""
-    header = {"run_id": me.run_id, "round": me.round, "shard": 0, "rank": me.rank, "marker": asdict(me)}
+    header = {"run_id": me.run_id, "round": me.round, "shard": 0, "rank": me.rank, "marker": me.to_json()}
     return pack({}, header, run_key, place=vote_keys(me)[me.rank])
 
 

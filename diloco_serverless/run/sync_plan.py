@@ -64,6 +64,11 @@ class RoundPlan:
         """The first inner step after this round."""
         return self.start + self.h
 
+    def tag(self) -> str:
+        """What a replica trains this round under, as the exchange's ready marker carries it: the round, its
+        H and its first inner step (the timings and the reason do not change what is trained)."""
+        return f"round {self.round}: h={self.h} from step {self.start}{' (last)' if self.last else ''}"
+
 
 def _parse(doc: Any, round_: int, where: str) -> RoundPlan:
     if not isinstance(doc, dict):

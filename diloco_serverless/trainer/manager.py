@@ -441,6 +441,14 @@ class ObjectStoreManager(ManagerBase):
         self.exchange = allreduce
         self.url, self.run_id = url, run_id
 
+    def bind_plan(self, round_: int, plan: str) -> None:
+        """Round ``round_`` is trained under ``plan`` (``inner.sync_every = "auto"``): the exchange puts it in
+        the round's signed ready marker, so replicas that disagree on it fail the round instead of averaging
+        it (:meth:`~diloco_serverless.exchange.allreduce.ObjectStoreAllReduce.bind_plan`)."""
+        bind = getattr(self.exchange, "bind_plan", None)
+        if bind is not None:
+            bind(round_, plan)
+
     def _exchange(self, tensor: torch.Tensor, round_: int, residual_key: str, record: ExchangeRecord) -> torch.Tensor:
         result = self.exchange.allreduce(tensor, round=round_, residual_key=residual_key, abstain=record.abstained)
         stats = getattr(self.exchange, "last_stats", None)

@@ -86,6 +86,9 @@ class RoundPlanner:
             self.ensure(round_ + 1)
         for owner in (self.rep.diloco, *self.rep.diloco._fragments):  # one fragment (config): the round's H
             owner._sync_every = plan.h
+        bind = getattr(self.rep.manager, "bind_plan", None)
+        if bind is not None:  # the round's ready marker carries the plan: replicas under different plans fail it
+            bind(round_, plan.tag())
         return plan
 
     def ensure(self, round_: int) -> RoundPlan | None:
