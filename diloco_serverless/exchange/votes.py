@@ -57,6 +57,7 @@ from diloco_serverless.exchange.errors import (
     CorruptObjectError,
     MismatchError,
     ParticipantsChangedError,
+    RoundPrunedError,
 )
 from diloco_serverless.exchange.polling import Backoff
 from diloco_serverless.exchange.quorum import (
@@ -379,8 +380,9 @@ class VotedRound:
             now = time.monotonic()
             if now - started >= p.straggler_timeout_s:
                 if now - last_skip_check >= 1.0:  # first: a round the run left behind is never closed by us
-                    check_moved_on(io, self.me, voted=True)
                     last_skip_check = now
+                    if self._moved_on(reading):
+                        continue  # the votes that let the others finish were there: the round is complete
                 self._take(reading, wait=True)
                 contributors = [q for q, e in self.entries.items() if e.contributed]
                 if len(contributors) >= p.min_replicas:
@@ -406,6 +408,23 @@ class VotedRound:
                 backoff.reset()
 
     # ------------------------------------------------------------------ helpers
+
+    def _moved_on(self, reading: dict[int, Future[bytes | None]]) -> bool:
+        """:func:`check_moved_on`, for a replica still missing votes. A later round means the others finished
+        this one, with every rank's vote or tombstone stored, unless it was pruned: read the missing ones
+        once more (what a poll in flight missed, e.g. a tombstone written just after our GET) and return
+        True if they complete the round; re-raise the :class:`RoundPrunedError` if they do not."""
+        try:
+            check_moved_on(self.io, self.me, voted=True)
+        except RoundPrunedError:
+            self._take(reading, wait=True)
+            for q in sorted(set(range(self.me.world_size)) - set(self.entries)):
+                reading[q] = self.io.get_async(self.keys[q], control=not whole_vote(self.me))
+            self._take(reading, wait=True)
+            if len(self.entries) < self.me.world_size:
+                raise
+            return True
+        return False
 
     def _sleep_reading(self, reading: dict[int, Future[bytes | None]], *, until: float) -> None:
         """Sleep until ``until`` (monotonic), taking each vote whose GET answers meanwhile; stop early once

@@ -27,6 +27,7 @@ from diloco_serverless.exchange.errors import AbstainedError, CorruptObjectError
 from diloco_serverless.exchange.quorum import ReadyMarker
 from diloco_serverless.exchange.votes import EXCLUDED, VotedRound, quorumless
 from diloco_serverless.run.layout import contrib_key, quorum_key, ready_prefix, vote_key
+from diloco_serverless.store.errors import ObjectNotFound
 from diloco_serverless.store.objectstore import ObjectStore
 from support.allreduce import FAST, DiesAfterReady, WithQuorum, assert_identical, randn, run_replicas
 from support.recording_store import RecordingStore
@@ -373,3 +374,42 @@ def test_a_vote_that_differs_is_still_read_on_s3(s3_store_url: str, s3_storage_o
     assert sorted(errors) == [0, 1, 2]
     assert all(isinstance(e, MismatchError) and "bf16" in str(e) for e in errors.values()), errors
     assert stores[0].keys("GET", contains="votes/rank-2")
+
+
+class _MissesTheTombstone(RecordingStore):
+    """Rank 1's store: its GETs of rank 2's vote in round 0 find nothing until one of its listings shows
+    that round 1 has begun, i.e. every poll it made raced the tombstone rank 0 wrote there."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().__init__(url, storage_options, **kw)
+        self.revealed: list[bool] = [False]
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        if key.endswith(contrib_key(0, 0, 2)) and not self.revealed[0]:  # a direct round's vote
+            self._record("GET", key)
+            raise ObjectNotFound(key)
+        return super().get(key, max_bytes=max_bytes)
+
+    def list(self, prefix: str = "") -> list[str]:
+        out = super().list(prefix)
+        if any("/00000001/" in f"/{k}" for k in out):
+            self.revealed[0] = True
+        return out
+
+
+def test_a_replica_whose_polls_missed_the_tombstone_finishes_the_round_when_the_run_moved_on(tmp_path: Path) -> None:
+    """Rank 0 tombstones absent rank 2, finishes round 0 and starts round 1; rank 1's GETs of rank 2's vote
+    all came back empty. When its check finds round 1 begun it reads the missing votes once more and
+    finishes round 0 with the others' participants, instead of failing with RoundPrunedError."""
+    url = f"file://{tmp_path}/s"
+    hiding = _MissesTheTombstone(url)
+    xs = {r: randn(257, r) for r in range(2)}
+
+    def make(u: str, rank: int, n: int, **opts: Any) -> ObjectStoreAllReduce:
+        return ObjectStoreAllReduce(hiding if rank == 1 else u, rank, n, **opts)
+
+    outs, errors, _ = run_replicas(url, xs, 3, rounds=2, min_replicas=2, topology="direct", make=make)
+    assert not errors, errors
+    assert hiding.revealed[0], "rank 1 never saw round 1 begin: the race was not reproduced"
+    for k in range(2):
+        assert torch.equal(outs[0][k], outs[1][k])
