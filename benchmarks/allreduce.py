@@ -460,6 +460,8 @@ def summarise(case: Case, per_rank: list[dict[str, Any]], server: dict[int, list
         "ratio": (up + down) / lower,
         "wall_s": max(d["wall_s"] for d in per_rank),
         "replica_cpu_s_mean": sum(d["cpu_s"] for d in per_rank) / len(per_rank),
+        # the largest resident memory any replica process reached so far (this case or an earlier one)
+        "replica_peak_rss_mb_max": max(d.get("peak_rss_mb", 0.0) for d in per_rank),
         "requests_per_replica": max(requests) if requests else None,
         "identical_across_ranks": len({d["digest"] for d in per_rank}) == 1,
         "digest": per_rank[0]["digest"],
