@@ -53,8 +53,11 @@ import logging
 import multiprocessing
 import os
 import platform
+import queue as queue_module
 import re
+import resource
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -82,6 +85,12 @@ CODEC_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": INT8_BYTES_PER_ELEM, "sparse": 
 #: A sparse round under ``--topology auto`` is direct: publish, GET the others' votes, list them once to confirm.
 SPARSE_ROUND_TRIPS = 3
 RESULTS = Path(__file__).with_name("results") / "allreduce.json"
+#: How often the driver checks that every replica process is alive while it waits for them (ReplicaWatch).
+LIVENESS_POLL_S = 2.0
+#: A replica's peak resident memory per MB of its payload's fp32 size, about: the tensor, its mean, the
+#: encoded and decoded shards and the prefetched contributions (2.2 GB per replica at P = 256 MB, int8,
+#: N = 8, in the kernel's OOM report of the run killed 2026-12-06; 1.9-2.0 GB measured by ps mid-round).
+PEAK_RSS_PER_P = 8.6
 
 
 @dataclass(frozen=True)
@@ -277,6 +286,7 @@ def replica_main(
                 "digest": digest,
                 "phases_s": stats.get("phases_s", {}),
                 "hedge": [store.hedger.reads - h0[0], store.hedger.backups - h0[1], store.hedger.wins - h0[2]],
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # the process's so far
             }
         )
         del x, y
@@ -284,6 +294,100 @@ def replica_main(
 
 
 # --------------------------------------------------------------------------- driver
+
+
+class ReplicaDied(RuntimeError):
+    """A replica process ended before the driver was done with it."""
+
+
+class ReplicaWatch:
+    """The driver's waits on its replica processes (barriers, results), ended as soon as one of them dies.
+
+    Without it, a replica killed mid-round (the kernel's OOM killer sends SIGKILL: no traceback) left the
+    driver waiting 30 minutes for its result and the other replicas idle at a barrier or waiting for it in
+    the round: the "stall" of the int8 round at P = 256 MB, N = 8 on a shared 23 GiB machine (benchmarks/
+    README.md, "Issue 35, second pass"). A thread checks the processes every ``poll_s`` seconds; on a death
+    it breaks the barrier and wakes the result queue, and the driver raises :class:`ReplicaDied` naming the
+    replica, its exit code and what to do.
+    """
+
+    def __init__(self, procs: list[Any], barrier: Any, queue: Any, *, what: str, poll_s: float = LIVENESS_POLL_S,
+                 peak_rss_mb: float | None = None) -> None:
+        self.procs, self.barrier, self.queue, self.what, self.poll_s = procs, barrier, queue, what, poll_s
+        self.peak_rss_mb = peak_rss_mb
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-replica-watch", daemon=True)
+
+    def start(self) -> ReplicaWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def dead(self) -> list[tuple[int, int | None, int]]:
+        """``(rank, pid, exit code)`` of every replica process that has ended with a failure."""
+        return [(r, p.pid, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+
+    def barrier_wait(self, timeout: float, step: str) -> None:
+        try:
+            self.barrier.wait(timeout=timeout)
+        except threading.BrokenBarrierError:
+            if self.dead():
+                raise self.error(step) from None
+            raise
+
+    def get(self, timeout: float, step: str) -> dict[str, Any]:
+        """The next replica's result; :class:`ReplicaDied` if a replica died first."""
+        try:
+            item = self.queue.get(timeout=timeout)
+        except queue_module.Empty:
+            raise TimeoutError(f"{self.what}, {step}: no replica result in {timeout:.0f} s; the replicas are alive "
+                               "but stuck (py-spy dump --pid <replica pid> shows where)") from None
+        if item is None:  # the watch's wake-up
+            raise self.error(step)
+        return item  # type: ignore[no-any-return]
+
+    def error(self, step: str) -> ReplicaDied:
+        lines = []
+        for rank, pid, code in self.dead():
+            how = f"exit code {code}"
+            if code < 0:
+                how = f"killed by {signal.Signals(-code).name}"
+            lines.append(f"replica rank {rank} (pid {pid}) {how}")
+        text = f"{self.what}, {step}: " + "; ".join(lines) + "; stopping the others (they would wait for it)."
+        if any(code == -signal.SIGKILL for _, _, code in self.dead()):
+            text += (" A SIGKILL without a traceback is, on Linux, most often the kernel's OOM killer: check "
+                     "`dmesg | grep -i 'killed process'`.")
+            if self.peak_rss_mb is not None:
+                text += (f" Each replica needs about {self.peak_rss_mb:,.0f} MB at this payload size; free memory "
+                         "(other jobs on the machine) or run fewer replicas (--ns) or smaller payloads (--sizes).")
+        return ReplicaDied(text)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if self.dead():
+                self.barrier.abort()
+                self.queue.put(None)
+                return
+
+
+def memory_check(n: int, p_mb: int) -> float:
+    """The estimated peak memory of one replica at payload ``p_mb`` (MB); warns on stderr when N of them (plus
+    the in-RAM store's copy of their payloads) exceed the machine's available memory."""
+    per = PEAK_RSS_PER_P * p_mb
+    try:
+        with open("/proc/meminfo") as f:
+            avail_mb = next(int(line.split()[1]) / 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return per
+    need = n * per + 2 * n * p_mb
+    if need > avail_mb:
+        print(f"warning: N={n} replicas at P={p_mb} MB need about {need:,.0f} MB (each ~{per:,.0f} MB at its peak, "
+              f"plus the store's copies), {avail_mb:,.0f} MB is available: the kernel may kill a replica",
+              file=sys.stderr, flush=True)
+    return per
 
 
 def run_group(
@@ -302,29 +406,35 @@ def run_group(
     barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
     procs = [ctx.Process(target=replica_main, args=(r, n, url, options, cases, barrier, queue, part, polls))
              for r in range(n)]
+    peak = memory_check(n, max(c.p_mb for c in cases))
     for p in procs:
         p.start()
+    watch = ReplicaWatch(procs, barrier, queue, what=f"{backend}, N={n}", peak_rss_mb=peak).start()
     rows = []
+    finished = False
     try:
         for i, case in enumerate(cases):
-            barrier.wait(timeout=1800)
+            step = f"case {i} ({case.p_mb} MB {case.codec} {case.method})"
+            watch.barrier_wait(1800, step)
             if counter is not None:
                 counter.reset()
-            barrier.wait(timeout=60)
+            watch.barrier_wait(60, step)
             c0 = time.process_time()
-            per_rank = [queue.get(timeout=1800) for _ in range(n)]
+            per_rank = [watch.get(1800, step) for _ in range(n)]
             server = counter.snapshot() if counter is not None else {}
             server_cpu = time.process_time() - c0
-            barrier.wait(timeout=60)
+            watch.barrier_wait(60, step)
             rows.append(summarise(case, per_rank, server))
             # hedged reads of all replicas: reads, backups sent, backups that answered first
             rows[-1]["hedge_reads_backups_wins"] = [sum(r["hedge"][k] for r in per_rank) for k in range(3)]
             rows[-1]["server_cpu_s"] = server_cpu if counter is not None else None
             print_row(rows[-1], flush=True)
             cleanup(f"bench-{i}")
+        finished = True
     finally:
+        watch.stop()
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if finished else 0)
             if p.exitcode is None:
                 p.kill()
     return rows
@@ -350,6 +460,8 @@ def summarise(case: Case, per_rank: list[dict[str, Any]], server: dict[int, list
         "ratio": (up + down) / lower,
         "wall_s": max(d["wall_s"] for d in per_rank),
         "replica_cpu_s_mean": sum(d["cpu_s"] for d in per_rank) / len(per_rank),
+        # the largest resident memory any replica process reached so far (this case or an earlier one)
+        "replica_peak_rss_mb_max": max(d.get("peak_rss_mb", 0.0) for d in per_rank),
         "requests_per_replica": max(requests) if requests else None,
         "identical_across_ranks": len({d["digest"] for d in per_rank}) == 1,
         "digest": per_rank[0]["digest"],
