@@ -92,6 +92,7 @@ def test_the_users_side_imports_no_torch(module: str) -> None:
     assert out.stdout.strip() == ""
 
 
+@pytest.mark.slow
 def test_public_names_still_import_from_the_package_root() -> None:
     code = ("from diloco_serverless import (launch, Run, RunConfig, ObjectStore, ObjectStoreAllReduce, "
             "ObjectStoreManager, MockManager, compose_loss, LossComponents, DilocoError, UserInputError)\n"

@@ -79,6 +79,7 @@ def test_drop_before_and_drop_after(s3_server: str, bucket: str) -> None:
         assert events == [("drop_before", "PUT", "before"), ("drop_after", "PUT", "after")]
 
 
+@pytest.mark.slow
 def test_random_faults_are_seeded_counted_and_delayed(s3_server: str, bucket: str) -> None:
     def sequence(seed: int) -> list[str]:
         with FaultProxy(s3_server, seed=seed, rate=0.5, kinds=("slowdown", "internal", "delay"),

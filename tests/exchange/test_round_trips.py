@@ -154,6 +154,7 @@ SLOW = StorePreset(name="slow", first_byte_ms=400.0, first_byte_p99_ms=400.0, co
                    usd_per_gb_egress=0, source="test: every request waits 0.4 s")
 
 
+@pytest.mark.slow
 def test_on_a_slow_store_only_the_writer_creates_the_quorum(s3_server: str, bucket: str) -> None:
     """At 0.4 s per request a fixed half-second grace ran out before the writer's create landed, and every
     replica fetched the N ready markers and raced the create. The grace is four of the store's round trips."""
@@ -174,6 +175,7 @@ def test_on_a_slow_store_only_the_writer_creates_the_quorum(s3_server: str, buck
         assert not others, f"{rank} fetched ready markers {sorted(others)}"  # their names carry their MACs
 
 
+@pytest.mark.slow
 def test_a_replica_puts_its_reduced_shards_concurrently(s3_server: str, bucket: str) -> None:
     """A split round gives each replica several shards to reduce; their PUTs (a round trip each) overlap."""
     n = 3 * (MIN_PART_SIZE - (128 << 10)) // 4  # split 2 at N = 2: four shards, two per replica

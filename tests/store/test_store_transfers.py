@@ -217,6 +217,7 @@ def test_a_size_bound_sends_every_range_at_once(emu: StoreEmulator, bucket: str)
     assert all(r.method == "GET" and r.range for r in emu.requests())  # never a HEAD
 
 
+@pytest.mark.slow
 def test_the_other_ranges_start_when_the_first_answer_arrives_not_its_body(s3_server: str, bucket: str) -> None:
     """The first range's headers size the object; waiting for its body too would add one part's transfer
     time to every large read. At 2.5 MB/s per connection a 5 MiB part takes 2 s to arrive."""

@@ -129,6 +129,7 @@ def test_inner_steps_read_tensor_values_once_per_round(trainer: ReplicaTrainer) 
 
 
 # ------------------------------------------------------------------ schedule + accumulation across restarts
+@pytest.mark.slow
 def test_cosine_schedule_and_micro_batches_resume_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A replica killed mid-round restarts from its checkpoint with the same global inner step, so the
     cosine lr continues where it was and the run ends with the same bits as the uninterrupted one;
