@@ -4,8 +4,6 @@ H of the stored plans, a forged plan is refused, and a crashed replica resumes e
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,8 @@ from diloco_serverless.run.record import create_run
 from diloco_serverless.run.sync_plan import PLAN_KIND, PlanRefused, read_plan
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
-from diloco_serverless.trainer import loop
 from diloco_serverless.trainer.loop import ReplicaTrainer
+from support.crash_harness import run_two_with_crash
 from support.diloco_harness import tiny_run_overrides, write_jsonl
 
 AUTO = {"inner.auto_sync": "true", "inner.auto_sync_min": 1, "inner.auto_sync_max": 6}
@@ -32,53 +30,6 @@ def _create(store_url: str, data: str, *, key: bytes | None = None, **kw: object
     cfg = RunConfig.load(None, ["run_id=run-auto", *tiny_run_overrides(data, 2, **{**AUTO, **kw})])
     store, _ = create_run(store_url, cfg, key=key)
     return store.url
-
-
-def _train(url: str, *, slow_rank: int | None = None, crash_at_call: int | None = None,
-           monkeypatch: pytest.MonkeyPatch) -> dict[int, ReplicaTrainer]:
-    """Two replicas in threads; ``slow_rank`` sleeps 30 ms per loss; rank 1 'dies' at its ``crash_at_call``-th
-    loss and starts again from the store, as the executor's supervisor would."""
-    who = threading.local()
-    real = loop.compose_loss
-    calls = {0: 0, 1: 0}
-
-    def wrapped(model: torch.nn.Module, batch: dict, **kw: object):  # type: ignore[no-untyped-def]
-        rank = getattr(who, "rank", 0)
-        calls[rank] += 1
-        if rank == slow_rank:
-            time.sleep(0.03)
-        if rank == 1 and calls[rank] == crash_at_call:
-            raise KeyboardInterrupt("simulated SIGKILL of rank 1")
-        return real(model, batch, **kw)
-
-    monkeypatch.setattr(loop, "compose_loss", wrapped)
-    out: dict[int, ReplicaTrainer] = {}
-    errors: list[BaseException] = []
-
-    def work(rank: int) -> None:
-        who.rank = rank
-        try:
-            for attempt in range(2):
-                trainer = ReplicaTrainer.from_run(url, rank, attempt=attempt)
-                try:
-                    trainer.run()
-                except KeyboardInterrupt:
-                    trainer.manager.shutdown(wait=False)
-                    continue
-                out[rank] = trainer
-                return
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if errors:
-        raise errors[0]
-    assert set(out) == {0, 1}
-    return out
 
 
 def _plans(url: str) -> list:
@@ -99,7 +50,7 @@ def test_replicas_of_different_speeds_run_the_stored_h_of_every_round(tmp_path: 
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     data = write_jsonl(tmp_path / "data.jsonl")
     url = _create(f"file://{tmp_path}/store", data, rounds=4, sync_every=2)  # 8 inner steps, starting at H = 2
-    out = _train(url, slow_rank=1, monkeypatch=monkeypatch)
+    out = run_two_with_crash(url, None, monkeypatch, slow_rank=1)
     plans = _plans(url)
     # rank 0 plans one round ahead: rounds 0 and 1 at the first H, from round 2 on from its timings; the
     # rounds tile the run's 8 inner steps exactly, the last one cut to what is left
@@ -144,14 +95,14 @@ def test_a_crashed_replica_resumes_exactly_with_the_stored_plans(tmp_path: Path,
     data = write_jsonl(tmp_path / "data.jsonl")
     ref_url = _create(f"file://{tmp_path}/ref", data, rounds=4, sync_every=2)
     crash_url = _create(f"file://{tmp_path}/crash", data, rounds=4, sync_every=2)
-    reference = _train(ref_url, monkeypatch=monkeypatch)
+    reference = run_two_with_crash(ref_url, None, monkeypatch)
     ref_store, crash_store = ObjectStore(ref_url), ObjectStore(crash_url)
     crash_store.put(ckpt.INITIAL_KEY, ref_store.get(ckpt.INITIAL_KEY))  # threads share torch's RNG
     for key in ref_store.list(SYNC_PLAN_PREFIX + "/"):
         crash_store.put(key, ref_store.get(key))
     plans = _plans(ref_url)
     assert len(plans) >= 2
-    crashed = _train(crash_url, crash_at_call=plans[0].h + 1, monkeypatch=monkeypatch)  # round 1's 1st step
+    crashed = run_two_with_crash(crash_url, plans[0].h + 1, monkeypatch)  # round 1's 1st step
     assert crashed[1].attempt == 1
     assert _plans(crash_url) == plans
     for rank in (0, 1):

@@ -18,6 +18,7 @@ from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
 from diloco_serverless.trainer.loop import ReplicaTrainer
 from diloco_serverless.trainer.manager import ExchangeRecord
 from diloco_serverless.trainer.overlap import DelayedOuterStep, apply_last_update, enable_delay
+from support.crash_harness import run_two_with_crash
 from support.diloco_harness import assert_close_params, assert_identical, inner_step, make_inner, tiny_model
 
 
@@ -169,11 +170,11 @@ def test_replica_loop_with_delay_is_identical_and_resumes_exactly(tmp_path: Path
     kw = {"rounds": 3, "checkpoint_every": 1, "outer.delay": 1}
     ref_url = create_tiny_run(f"file://{tmp_path}/ref", data, 2, **kw)
     crash_url = create_tiny_run(f"file://{tmp_path}/crash", data, 2, **kw)
-    reference = _run_with_crash(ref_url, None, monkeypatch)
+    reference = run_two_with_crash(ref_url, None, monkeypatch)
     _assert_equal(_globals(reference[0]), _globals(reference[1]))
     assert all(isinstance(t.manager, DelayedOuterStep) and t.manager._flushed for t in reference.values())
     ObjectStore(crash_url).put(ckpt.INITIAL_KEY, ObjectStore(ref_url).get(ckpt.INITIAL_KEY))
-    crashed = _run_with_crash(crash_url, 6, monkeypatch)  # H=2: the 2nd inner step of round 2
+    crashed = run_two_with_crash(crash_url, 6, monkeypatch)  # H=2: the 2nd inner step of round 2
     assert crashed[1].attempt == 1
     for rank in (0, 1):
         _assert_equal(_globals(crashed[rank]), _globals(reference[rank]))
@@ -187,43 +188,3 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs"
-
-
-def _run_with_crash(url: str, crash_at_call: int | None, monkeypatch: pytest.MonkeyPatch) -> dict[int, ReplicaTrainer]:
-    """Two replicas in threads; rank 1 'dies' at its ``crash_at_call``-th loss and starts again from the store
-    (as tests/trainer/test_train.py does for plain rounds)."""
-    from diloco_serverless.trainer import loop
-
-    who = threading.local()
-    real = loop.compose_loss
-    calls = {0: 0, 1: 0}
-
-    def maybe_crash(model: torch.nn.Module, batch: dict, **kw: object):  # type: ignore[no-untyped-def]
-        rank = getattr(who, "rank", 0)
-        calls[rank] += 1
-        if rank == 1 and calls[rank] == crash_at_call:
-            raise KeyboardInterrupt("simulated SIGKILL of rank 1")
-        return real(model, batch, **kw)
-
-    monkeypatch.setattr(loop, "compose_loss", maybe_crash)
-    out: dict[int, ReplicaTrainer] = {}
-
-    def work(rank: int) -> None:
-        who.rank = rank
-        for attempt in range(2):
-            trainer = ReplicaTrainer.from_run(url, rank, attempt=attempt)
-            try:
-                trainer.run()
-            except KeyboardInterrupt:
-                trainer.manager.shutdown(wait=False)
-                continue
-            out[rank] = trainer
-            return
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert set(out) == {0, 1}
-    return out

@@ -14,6 +14,7 @@ from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.diloco import CheckpointMismatch
 from diloco_serverless.trainer.loop import ReplicaTrainer, TrainResult
+from support.crash_harness import run_two_with_crash
 from support.diloco_harness import create_tiny_run, write_jsonl
 
 
@@ -269,46 +270,6 @@ def test_a_diverging_replica_abstains_and_the_run_goes_on(tmp_path: Path, monkey
     ]
 
 
-def _run_with_crash(url: str, crash_at_call: int | None, monkeypatch: pytest.MonkeyPatch) -> dict[int, ReplicaTrainer]:
-    """Two replicas in threads; rank 1 'dies' (raises) at its ``crash_at_call``-th loss and is started
-    again from the store, as the executor's supervisor would."""
-    from diloco_serverless.trainer import loop
-
-    who = threading.local()
-    real = loop.compose_loss
-    calls = {0: 0, 1: 0}
-
-    def maybe_crash(model: torch.nn.Module, batch: dict, **kw: object):  # type: ignore[no-untyped-def]
-        rank = getattr(who, "rank", 0)
-        calls[rank] += 1
-        if rank == 1 and calls[rank] == crash_at_call:
-            raise KeyboardInterrupt("simulated SIGKILL of rank 1")
-        return real(model, batch, **kw)
-
-    monkeypatch.setattr(loop, "compose_loss", maybe_crash)
-    out: dict[int, ReplicaTrainer] = {}
-
-    def work(rank: int) -> None:
-        who.rank = rank
-        for attempt in range(2):
-            trainer = ReplicaTrainer.from_run(url, rank, attempt=attempt)
-            try:
-                trainer.run()
-            except KeyboardInterrupt:
-                trainer.manager.shutdown(wait=False)
-                continue
-            out[rank] = trainer
-            return
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert set(out) == {0, 1}
-    return out
-
-
 def test_a_crashed_replica_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With checkpoint_every=1, a replica killed mid-round restores its own inner optimizer, RNG and data
     position and re-trains the round: the run ends with the same bits as the run without the crash
@@ -316,12 +277,12 @@ def test_a_crashed_replica_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
     data = write_jsonl(tmp_path / "data.jsonl")
     ref_url = create_tiny_run(f"file://{tmp_path}/ref", data, 2, rounds=3, checkpoint_every=1)
     crash_url = create_tiny_run(f"file://{tmp_path}/crash", data, 2, rounds=3, checkpoint_every=1)
-    reference = _run_with_crash(ref_url, None, monkeypatch)
+    reference = run_two_with_crash(ref_url, None, monkeypatch)
     # replicas in threads share torch's global RNG, so their random init races; start both runs from
     # the same stored initial parameters (real replica processes do not share an RNG)
     initial = ObjectStore(ref_url).get(ckpt.INITIAL_KEY)
     ObjectStore(crash_url).put(ckpt.INITIAL_KEY, initial)
-    crashed = _run_with_crash(crash_url, 6, monkeypatch)  # H=2: the 2nd inner step of round 2
+    crashed = run_two_with_crash(crash_url, 6, monkeypatch)  # H=2: the 2nd inner step of round 2
     # the restart restored its own state, re-trained from there and, once at the round no one had finished
     # yet, went back to live rounds (which skip the store probe before the next round)
     assert crashed[1].attempt == 1 and not crashed[1].manager.retrain_own_rounds
