@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +56,27 @@ def example_rng(seed: int, *parts: object) -> random.Random:
     """A ``random.Random`` seeded from ``(seed, *parts)`` via SHA-512 of the string: identical on every
     machine and process (independent of PYTHONHASHSEED)."""
     return random.Random(":".join(str(p) for p in (seed, *parts)))
+
+
+class EpochOrder:
+    """Record indices ``0..n-1`` in a seeded shuffled order per epoch (``example_rng(seed, tag, rank,
+    epoch)``), the current epoch's order cached: the same order on every machine and after a resume."""
+
+    def __init__(self, n: int, seed: int, tag: str, rank: int) -> None:
+        self.n, self.seed, self.tag, self.rank = n, seed, tag, rank
+        self._epoch, self.order = -1, list[int]()
+
+    def candidates(self, index: int) -> Iterator[int]:
+        """The record at position ``index`` (epoch ``index // n``), then the ones after it in that epoch's
+        order, wrapping: a record that cannot be used gives way to the next one."""
+        epoch, offset = divmod(index, self.n)
+        if self._epoch != epoch:
+            order = list(range(self.n))
+            example_rng(self.seed, self.tag, self.rank, epoch).shuffle(order)
+            self._epoch, self.order = epoch, order
+        order = self.order
+        for step in range(self.n):
+            yield order[(offset + step) % self.n]
 
 
 def split_fraction(name: str) -> float:

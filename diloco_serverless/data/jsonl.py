@@ -39,7 +39,7 @@ import fsspec
 
 from diloco_serverless.config import DataColumns, DataConfig
 from diloco_serverless.data.bad_rows import BadRows
-from diloco_serverless.data.examples import DataError, Example, example_rng
+from diloco_serverless.data.examples import DataError, EpochOrder, Example, example_rng
 from diloco_serverless.data.formats import Encoder, Record
 from diloco_serverless.data.stdlib import shard_for_rank, split_train_eval
 from diloco_serverless.store.objectstore import storage_options_from_env
@@ -158,7 +158,7 @@ class JsonlSource:
                 f"JSONL data {data.source} has 1 usable record; need at least 2 to hold one out for eval"
             )
         self.encoder = Encoder(tokenizer, data.hint_len)
-        self._perm: tuple[int, list[int]] = (-1, [])
+        self._order = EpochOrder(len(self.train_records), seed, "jsonl-epoch", rank)
         self._unusable: set[tuple[str, int]] = set()  # ("train" | "eval", record) that cannot be encoded
 
     # -------------------------------------------------------------- order
@@ -166,14 +166,7 @@ class JsonlSource:
         """Example ``index`` of this rank: epoch ``index // n`` in a seeded shuffled order (a record that
         cannot be encoded gives way to the next usable one in that order)."""
         n = len(self.train_records)
-        epoch, offset = divmod(index, n)
-        if self._perm[0] != epoch:
-            order = list(range(n))
-            example_rng(self.seed, "jsonl-epoch", self.rank, epoch).shuffle(order)
-            self._perm = (epoch, order)
-        order = self._perm[1]
-        for step in range(n):
-            k = order[(offset + step) % n]
+        for k in self._order.candidates(index):
             example = self._usable("train", k, example_rng(self.seed, "jsonl-train", self.rank, index))
             if example is not None:
                 return example

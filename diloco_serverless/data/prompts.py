@@ -37,7 +37,7 @@ import fsspec
 
 from diloco_serverless.config import DataConfig, RunConfig
 from diloco_serverless.data.bad_rows import BadRows
-from diloco_serverless.data.examples import DataError, example_rng
+from diloco_serverless.data.examples import DataError, EpochOrder
 from diloco_serverless.data.formats import row_fraction
 from diloco_serverless.data.stdlib import shard_for_rank, split_train_eval
 
@@ -171,7 +171,7 @@ class PromptSource:
         )
         if not self.eval_rows:
             raise DataError(f"prompt data {data.source} has 1 record; need at least 2 to hold one out for eval")
-        self._perm: tuple[int, list[int]] = (-1, [])
+        self._order = EpochOrder(len(self.train_rows), seed, "prompt-epoch", rank)
         #: ("train" | "eval", index) of the rows whose prompt cannot be rendered (counted once)
         self._unusable: set[tuple[str, int]] = set()
 
@@ -214,14 +214,8 @@ class PromptSource:
         """Prompt ``index`` of this rank: epoch ``index // n`` in a seeded shuffled order (a prompt that
         cannot be rendered gives way to the next usable one in that order)."""
         n = len(self.train_rows)
-        epoch, offset = divmod(index, n)
-        if self._perm[0] != epoch:
-            order = list(range(n))
-            example_rng(self.seed, "prompt-epoch", self.rank, epoch).shuffle(order)
-            self._perm = (epoch, order)
-        order = self._perm[1]
-        for step in range(n):
-            record = self._usable("train", order[(offset + step) % n])
+        for k in self._order.candidates(index):
+            record = self._usable("train", k)
             if record is not None:
                 return record
         raise DataError(

@@ -110,7 +110,7 @@ def test_a_refused_record_gives_way_to_the_next_one_in_the_epochs_order(tmp_path
         assert src.eval_example(j).source == src.eval_records[(j + 1) % m].where
         return
     src.train_example(0)
-    order, n = src._perm[1], len(src.train_records)
+    order, n = src._order.order, len(src.train_records)
     offset = order.index(bad)
     assert src.train_example(offset).source == src.train_records[order[(offset + 1) % n]].where
     assert src.bad_rows.bad == 1

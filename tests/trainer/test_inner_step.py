@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_train import _assert_equal, _globals, _run_with_crash
+from test_train import _assert_equal, _globals
 
 from diloco_serverless.config import ConfigError, InnerConfig, RunConfig
 from diloco_serverless.run.members import read_metrics
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.loop import ReplicaTrainer, _Segment
+from support.crash_harness import run_two_with_crash
 from support.diloco_harness import create_tiny_run, write_jsonl
 from support.host_reads import HostReads
 
@@ -139,9 +140,9 @@ def test_cosine_schedule_and_micro_batches_resume_exactly(tmp_path: Path, monkey
                           "inner.min_lr_ratio": 0.2, "data.micro_batch_size": 1}
     ref_url = create_tiny_run(f"file://{tmp_path}/ref", data, 2, **kw)
     crash_url = create_tiny_run(f"file://{tmp_path}/crash", data, 2, **kw)
-    reference = _run_with_crash(ref_url, None, monkeypatch)
+    reference = run_two_with_crash(ref_url, None, monkeypatch)
     ObjectStore(crash_url).put(ckpt.INITIAL_KEY, ObjectStore(ref_url).get(ckpt.INITIAL_KEY))
-    crashed = _run_with_crash(crash_url, 10, monkeypatch)  # 2 micro-batches a step: the 1st step of round 2
+    crashed = run_two_with_crash(crash_url, 10, monkeypatch)  # 2 micro-batches a step: the 1st step of round 2
     assert crashed[1].attempt == 1
     for rank in (0, 1):
         _assert_equal(_globals(crashed[rank]), _globals(reference[rank]))

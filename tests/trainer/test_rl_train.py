@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_train import _assert_equal, _globals, _run_with_crash, _train
+from test_train import _assert_equal, _globals, _train
 
 from diloco_serverless.config import RunConfig
 from diloco_serverless.data.prompts import PromptBatcher
@@ -20,6 +20,7 @@ from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.model import build_model
 from diloco_serverless.trainer.steps import RLSteps
+from support.crash_harness import run_two_with_crash
 from support.diloco_harness import create_tiny_run
 
 RL = {
@@ -88,9 +89,9 @@ def test_a_crashed_rl_replica_resumes_exactly(tmp_path: Path, monkeypatch: pytes
     bit-identical to the run without the kill."""
     ref_url = _rl_run(tmp_path, "ref", checkpoint_every=1)
     crash_url = _rl_run(tmp_path, "crash", checkpoint_every=1)
-    reference = _run_with_crash(ref_url, None, monkeypatch)
+    reference = run_two_with_crash(ref_url, None, monkeypatch)
     ObjectStore(crash_url).put(ckpt.INITIAL_KEY, ObjectStore(ref_url).get(ckpt.INITIAL_KEY))
-    crashed = _run_with_crash(crash_url, 4, monkeypatch)  # H=2: the 2nd inner step of round 1
+    crashed = run_two_with_crash(crash_url, 4, monkeypatch)  # H=2: the 2nd inner step of round 1
     assert crashed[1].attempt == 1
     for rank in (0, 1):
         _assert_equal(_globals(crashed[rank]), _globals(reference[rank]))
