@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tau", type=int, nargs="+", default=[0],
                         help="exchange.fragment_sync_delay values (one fragment; with --delay 0 only)")
     parser.add_argument("--merge", nargs="+", default=["replace"], choices=("replace", "eager"),
-                        help="with --tau > 0: exchange.fragment_merge (replace discards the tau steps, eager keeps them)")
+                        help="with --tau > 0: exchange.fragment_merge (replace discards the tau steps, "
+                             "eager keeps them)")
     parser.add_argument("--dp-from", type=Path, default=None,
                         help="reuse the DP curves of an earlier run's JSON (same --steps; DP does not depend on H)")
     parser.add_argument("--hidden", type=int, default=None,

@@ -593,6 +593,11 @@ class ExchangeConfig(_Section):
     fragment_sync_delay: int = Field(
         0, ge=0, description="Inner steps a fragment's exchange overlaps with training (Streaming DiLoCo tau)."
     )
+    fragment_merge: Literal["replace", "eager"] = Field(
+        "replace", description="At a sync with fragment_sync_delay > 0: 'replace' sets the replica to the new global "
+        "parameters (the tau steps are discarded); 'eager' adds its own progress of those tau steps to them "
+        "(one fragment, one device)."
+    )
     straggler_timeout_s: float = Field(
         STRAGGLER_TIMEOUT_S,
         gt=0.0,
@@ -880,6 +885,8 @@ class RunConfig(_Section):
                 f"exchange.fragment_sync_delay = 0 and parallel.devices = 1 (got {f}, "
                 f"{self.exchange.fragment_sync_delay}, {self.parallel.devices}); set outer.delay = 0 or change those"
             )
+        if self.exchange.fragment_merge == "eager":
+            self._check_fragment_merge()
         if self.inner.auto_sync:
             self._check_auto_sync()
         if not self.outer.model_fields_set & {"lr", "momentum", "nesterov"}:  # none set: by (N, H)
@@ -909,6 +916,16 @@ class RunConfig(_Section):
                 )
         _refuse_secrets(self.model_dump(mode="json"), "")
         return self
+
+    def _check_fragment_merge(self) -> None:
+        ex = self.exchange
+        if ex.fragment_sync_delay == 0 or ex.fragments != 1 or self.parallel.devices > 1:
+            raise ValueError(
+                'exchange.fragment_merge = "eager" keeps the steps trained while one whole-model exchange is in '
+                "flight: it needs exchange.fragment_sync_delay > 0, exchange.fragments = 1 and parallel.devices = 1 "
+                f"(got {ex.fragment_sync_delay}, {ex.fragments}, {self.parallel.devices}); set "
+                'exchange.fragment_merge = "replace" or change those'
+            )
 
     def _check_auto_sync(self) -> None:
         inner, ex = self.inner, self.exchange
