@@ -49,6 +49,12 @@ momentum 0.1-0.6 and heavy-ball momentum 0.3 were no better. ``--set outer.lr=0.
                 user gets with "auto". The run is T x factor inner steps, as the other arms; rank 0 evaluates
                 every ``--sync-every`` inner steps, as in arm b (``eval_every`` counts rounds of the first H).
   (f) auto H + overlap  ``--arms abf``: (e) with ``outer.delay = 1``.
+  (g) in-round overlap, replace  ``--arms abg``: no delay, H = ``--g-sync-every`` (8), ``exchange.fragment_sync_delay
+                = tau`` with one fragment (the exchange runs during the round's last tau steps; torchft then sets
+                the replica to the new global: those steps are discarded); tau = ``--g-tau``, or (auto) the
+                fewest steps whose compute covers 1.25x (b)'s measured exchange, at most H - 1.
+  (h) in-round overlap, eager  ``--arms abh``: (g) with ``exchange.fragment_merge = "eager"``
+                (trainer/fragment_merge.py: the replica keeps its tau steps' progress on top of the new global).
 
 The last table gives every DiLoCo arm's wall time and tokens (steps) to (a)'s final loss as a share of
 (a)'s, and the replicas' compute share of their wall time (inner steps over the span from the first step to
@@ -85,6 +91,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -625,7 +632,29 @@ def print_table(res: dict[str, Any]) -> None:
 
 ARM_LABELS = {"b_diloco": "(b) DiLoCo (--set, baseline outer)", "c_overlap": "(c) overlap, H rule, product outer",
               "d_small_h": "(d) no overlap, small H, product outer", "e_auto": "(e) auto H, product outer",
-              "f_auto_overlap": "(f) auto H + overlap, product outer"}
+              "f_auto_overlap": "(f) auto H + overlap, product outer",
+              "g_tau_replace": "(g) tau overlap, replace", "h_tau_eager": "(h) tau overlap, eager merge"}
+
+
+def run_tau_arm(setup: Setup, site: StoreSite, work: Path, h: int, tau: int, merge: str) -> dict[str, Any]:
+    """(g) and (h): the product without delay at ``h`` inner steps per round, the exchange overlapping the
+    round's last ``tau`` steps (``exchange.fragment_sync_delay``), ``exchange.fragment_merge = merge``."""
+    t_setup = replace(setup, sync_every=h, diloco_outer=(),
+                      extra=(f"exchange.fragment_sync_delay={tau}", f"exchange.fragment_merge={merge}",
+                             *setup.extra))
+    out = run_diloco(t_setup, site, work)
+    out["tau"], out["sync_every"] = tau, f"{h}t{tau}"
+    return out
+
+
+def overlap_tau(args: argparse.Namespace, res: dict[str, Any], h: int) -> int:
+    """``--g-tau``, or the fewest inner steps whose compute covers 1.25x (b)'s measured exchange (at most H - 1)."""
+    if args.g_tau != "auto":
+        return int(args.g_tau)
+    b = res["arms"].get("b_diloco")
+    if not b or not b.get("compute_s_per_step") or not b.get("exchange_s_median"):
+        raise SystemExit("--g-tau auto needs arm b's timings: run --arms abg, or give --g-tau TAU")
+    return int(max(1, min(h - 1, math.ceil(1.25 * b["exchange_s_median"] / b["compute_s_per_step"]))))
 
 
 def run_product_arm(setup: Setup, site: StoreSite, work: Path, h: int, delay: int) -> dict[str, Any]:
@@ -681,6 +710,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--d-sync-every", type=int, default=8, metavar="H",
                         help="H of arm d (no overlap; default 8: the fewest tokens to (a)'s loss in "
                              "benchmarks/outer_sweep.py at N = 4)")
+    parser.add_argument("--g-sync-every", type=int, default=8, metavar="H", help="H of arms g and h (default 8)")
+    parser.add_argument("--g-tau", default="auto", metavar="TAU|auto",
+                        help="exchange.fragment_sync_delay of arms g and h; auto: from arm b's compute and exchange")
     parser.add_argument("--diloco-factor", type=int, default=None, metavar="K",
                         help="(b) trains K x T steps (same data stream, constant lr), to measure when it reaches "
                              "(a)'s final loss; its equal-token results are read at step T (default 1)")
@@ -737,6 +769,12 @@ def main(argv: list[str] | None = None) -> int:
         for arm, key, delay in (("e", "e_auto", 0), ("f", "f_auto_overlap", 1)):
             if arm in args.arms:
                 res["arms"][key] = run_auto_arm(setup, site, Path(tmp), delay)
+                print(f"{key}: {json.dumps(res['arms'][key])}", flush=True)
+        for arm, key, merge in (("g", "g_tau_replace", "replace"), ("h", "h_tau_eager", "eager")):
+            if arm in args.arms:
+                tau = overlap_tau(args, res, args.g_sync_every)
+                print(f"arm {arm}: H = {args.g_sync_every}, tau = {tau}", flush=True)
+                res["arms"][key] = run_tau_arm(setup, site, Path(tmp), args.g_sync_every, tau, merge)
                 print(f"{key}: {json.dumps(res['arms'][key])}", flush=True)
     res["load_avg_end"] = os.getloadavg()
     if "a_sync_dp" in res["arms"] and "b_diloco" in res["arms"]:
