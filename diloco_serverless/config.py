@@ -934,11 +934,11 @@ class RunConfig(_Section):
                 f"inner.auto_sync: the first rounds' H, inner.sync_every ({inner.sync_every}), must lie in "
                 f"inner.auto_sync_min..auto_sync_max ({inner.auto_sync_min}..{inner.auto_sync_max}); change one"
             )
-        if ex.fragments != 1 or ex.fragment_sync_delay or self.parallel.devices > 1 or self.loss.channel1 != "lm":
+        if ex.fragments != 1 or self.parallel.devices > 1 or self.loss.channel1 != "lm":
             raise ValueError(
                 'inner.sync_every = "auto" decides whole-model rounds of language modelling on one device: it needs '
-                "exchange.fragments = 1, exchange.fragment_sync_delay = 0, parallel.devices = 1 and "
-                f'loss.channel1 = "lm" (got {ex.fragments}, {ex.fragment_sync_delay}, {self.parallel.devices}, '
+                "exchange.fragments = 1, parallel.devices = 1 and "
+                f'loss.channel1 = "lm" (got {ex.fragments}, {self.parallel.devices}, '
                 f'"{self.loss.channel1}"); set a number for inner.sync_every or change those'
             )
 

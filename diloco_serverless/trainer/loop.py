@@ -640,7 +640,7 @@ class ReplicaTrainer:
         if cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.inner.grad_clip, foreach=True)
         bad = self._record_divergence(comps.total)
-        if seg.steps + 1 == self.rep.inner_steps_per_round - cfg.exchange.fragment_sync_delay:
+        if seg.steps + 1 == self.rep.inner_steps_per_round - self.rep.diloco._fragment_sync_delay:
             self._check_divergence()  # this step's inner.step() hands the pseudo-gradient over
         if not self._fused and bool(self._skip):  # no found_inf: drop the gradients instead
             self.inner.zero_grad(set_to_none=True)
@@ -803,7 +803,7 @@ class ReplicaTrainer:
         plan = self.planner.plans.get(round_) if self.planner is not None else None
         if plan is not None:  # what rank 0 decided this round's H from
             out.update(sync_every=plan.h, sync_every_reason=plan.reason, sync_every_compute_s=plan.compute_s,
-                       sync_every_exchange_s=plan.exchange_s)
+                       sync_every_exchange_s=plan.exchange_s, sync_every_tau=plan.tau)
         return out
 
     def _steps_before(self, round_: int) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import _assert_equal, _run_with_crash
 from torch import nn
 
 from diloco_serverless.config import RunConfig
@@ -15,7 +16,6 @@ from diloco_serverless.errors import ConfigError
 from diloco_serverless.testing import MockGroup, MockManager
 from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
 from diloco_serverless.trainer.fragment_merge import EagerFragmentMerge, enable_fragment_merge
-from diloco_serverless.trainer.loop import ReplicaTrainer
 from support.diloco_harness import assert_close_params, assert_identical, inner_step, make_inner, tiny_model
 
 
@@ -206,49 +206,5 @@ def test_replica_loop_with_eager_merge_is_identical_and_resumes_exactly(tmp_path
         crashed = _run_with_crash(crash_url, crash_at, monkeypatch)
         assert crashed[1].attempt == 1
         for rank in (0, 1):
-            _assert_equal(crashed[rank].rep.global_named_parameters(), reference[rank].rep.global_named_parameters())
-
-
-def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k].detach(), b[k].detach()), f"{k} differs"
-
-
-def _run_with_crash(url: str, crash_at_call: int | None, monkeypatch: pytest.MonkeyPatch) -> dict[int, ReplicaTrainer]:
-    """Two replicas in threads; rank 1 'dies' at its ``crash_at_call``-th loss and starts again from the store."""
-    from diloco_serverless.trainer import loop
-
-    who = threading.local()
-    real = loop.compose_loss
-    calls = {0: 0, 1: 0}
-
-    def maybe_crash(model: torch.nn.Module, batch: dict, **kw: object):  # type: ignore[no-untyped-def]
-        rank = getattr(who, "rank", 0)
-        calls[rank] += 1
-        if rank == 1 and calls[rank] == crash_at_call:
-            raise KeyboardInterrupt("simulated SIGKILL of rank 1")
-        return real(model, batch, **kw)
-
-    monkeypatch.setattr(loop, "compose_loss", maybe_crash)
-    out: dict[int, ReplicaTrainer] = {}
-
-    def work(rank: int) -> None:
-        who.rank = rank
-        for attempt in range(2):
-            trainer = ReplicaTrainer.from_run(url, rank, attempt=attempt)
-            try:
-                trainer.run()
-            except KeyboardInterrupt:
-                trainer.manager.shutdown(wait=False)
-                continue
-            out[rank] = trainer
-            return
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert set(out) == {0, 1}
-    return out
+            _assert_equal(crashed[rank].rep.global_named_parameters(),
+                          reference[rank].rep.global_named_parameters())
