@@ -3,6 +3,7 @@ each round's H and tau, every replica trains the stored pair, and a crashed repl
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -13,13 +14,13 @@ from diloco_serverless.run.members import read_metrics
 from diloco_serverless.run.sync_plan import RoundPlan
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
-from diloco_serverless.trainer.sync_every import AutoSyncEvery, choose_tau
+from diloco_serverless.trainer.sync_every import TAU_SHARE, AutoSyncEvery, choose_tau
 from support.diloco_harness import write_jsonl
 
 TAU = {"exchange.fragment_sync_delay": 1, "exchange.fragment_merge": "eager", "inner.auto_sync_max": 8}
 
 
-def test_the_rule_hides_the_exchange_behind_tau_steps_and_keeps_tau_below_half_the_round() -> None:
+def test_the_rule_hides_the_exchange_behind_tau_steps_and_keeps_tau_a_share_of_the_round() -> None:
     assert choose_tau(0.2, 1.0) == 7  # 7 x 0.2 s >= 1.25 x 1.0 s
     assert choose_tau(0.5, 0.0) == 1
     with pytest.raises(ValueError, match="positive, finite"):
@@ -33,6 +34,9 @@ def test_the_rule_hides_the_exchange_behind_tau_steps_and_keeps_tau_below_half_t
         rule.observe(0.2, 3.0)  # a slower store: tau 19, H 38
     assert rule.decide(14, measured_before=True) == (38, "drift") and rule.tau(38, initial=2) == 19
     assert AutoSyncEvery(overlap=False, lo=4, hi=128).tau(8, initial=2) == 0  # no in-round overlap: 0
+    default = AutoSyncEvery(overlap=False, lo=4, hi=128, tau_share=TAU_SHARE)
+    default.observe(0.2, 1.0)
+    assert default.decide(8, measured_before=False) == (math.ceil(7 / TAU_SHARE), "measured")
     with pytest.raises(ValueError, match="tau_share"):
         AutoSyncEvery(overlap=False, lo=4, hi=128, tau_share=1.0)
 
