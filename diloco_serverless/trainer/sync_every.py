@@ -27,8 +27,8 @@ WINDOW = 3
 DRIFT = 0.25
 #: in-round overlap (exchange.fragment_sync_delay with auto): at most this share of a round's steps overlap its
 #: exchange. benchmarks/outer_sweep.py --tau (N = 4, eager merge, loss at equal tokens against DP): H = 8 plain +4.4 %,
-#: tau = 1 +5.6 %, tau = 4 +9.7 %; H = 16 plain +7.0 %, tau = 2 +8.5 %, tau = 8 +14.5 %: the cost grows with tau / H,
-#: and at 1/2 it exceeds a whole-round delay's (+12.8 % at H = 8), so a quarter of the round at most
+#: tau = 1 +5.6 %, 2 +7.7 % (replace +6.8 %), 4 +9.7 %; H = 16 plain +7.0 %, tau = 2 +8.5 %, 4 +11.3 %, 8 +14.5 %: the
+#: cost grows with tau / H, and at 1/2 it reaches a whole-round delay's (+12.8 % at H = 8): a quarter at most
 TAU_SHARE = 0.25
 
 
