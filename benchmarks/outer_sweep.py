@@ -123,8 +123,16 @@ def run_dp(sim: Sim, replicas: int, steps: int, every: int) -> list[tuple[int, f
 
 
 def run_diloco(sim: Sim, replicas: int, h: int, steps: int, outer: Outer, delay: int, *,
-               stop_below: float | None = None, min_steps: int = 0, eager: float = 1.0) -> list[tuple[int, float]]:
-    """The global model's eval curve; stops early once past ``min_steps`` at or below ``stop_below``."""
+               stop_below: float | None = None, min_steps: int = 0, eager: float = 1.0, tau: int = 0,
+               merge: str = "replace") -> list[tuple[int, float]]:
+    """The global model's eval curve; stops early once past ``min_steps`` at or below ``stop_below``.
+
+    ``tau > 0`` is ``exchange.fragment_sync_delay = tau`` with one fragment: the pseudo-gradient is taken after
+    ``H - tau`` steps (``global - local`` then) and the exchange overlaps the round's last ``tau`` steps; at the
+    sync the replica becomes the new global parameters (``merge = "replace"``: the tau steps are discarded, as
+    torchft with ``fragment_update_alpha = 0``) or the new global plus its own progress of those tau steps
+    (``merge = "eager"``: ``exchange.fragment_merge = "eager"``, trainer/fragment_merge.py).
+    """
     reps = [sim.fresh(r) for r in range(replicas)]
     names = [n for n, p in reps[0][0].named_parameters() if p.requires_grad]
     glob = {n: p.detach().to(torch.float32).clone().requires_grad_(True)
@@ -148,10 +156,15 @@ def run_diloco(sim: Sim, replicas: int, h: int, steps: int, outer: Outer, delay:
         return sim.evaluate(evaluator)
 
     for r in range(steps // h):
-        progress = []
+        progress: list[dict[str, torch.Tensor]] = []
+        offsets: list[dict[str, torch.Tensor]] = []
         for (model, opt, data), start in zip(reps, starts):
             params = dict(model.named_parameters())
+            snap: dict[str, torch.Tensor] = {}
             for i in range(h):
+                if tau and i == h - tau:  # prepare: the pseudo-gradient against the global parameters
+                    progress.append({n: glob[n].detach() - params[n].detach().float() for n in names})
+                    snap = {n: params[n].detach().clone() for n in names}
                 step = r * h + i
                 for g in opt.param_groups:
                     g["lr"] = sim.cfg.inner.lr_at(step, steps)
@@ -159,14 +172,25 @@ def run_diloco(sim: Sim, replicas: int, h: int, steps: int, outer: Outer, delay:
                 sim.loss_grad(model, data)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), sim.cfg.inner.grad_clip, foreach=True)
                 opt.step()
-            progress.append({n: start[n] - params[n].detach().float() for n in names})
+            if tau:
+                offsets.append({n: params[n].detach() - snap[n] for n in names})
+            else:
+                progress.append({n: start[n] - params[n].detach().float() for n in names})
         mean = {n: torch.stack([pg[n] for pg in progress]).mean(0) for n in names}
         if delay:
             outer_step(previous)
             previous = mean
         else:
             outer_step(mean)
-        for (model, _, _), start, pg in zip(reps, starts, progress):
+        if tau:
+            for (model, _, _), start, off in zip(reps, starts, offsets):
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(glob[n])
+                        if merge == "eager":
+                            p.add_(off[n])
+                        start[n] = glob[n].detach().clone()
+        for (model, _, _), start, pg in zip(reps, starts, [] if tau else progress):
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     p.copy_(glob[n] - eager * pg[n] if delay else glob[n])
@@ -195,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager", type=float, default=1.0,
                         help="with --delay 1: the weight of the replica's own progress in its next start "
                              "(1: outer.eager = true, 0: false)")
+    parser.add_argument("--tau", type=int, nargs="+", default=[0],
+                        help="exchange.fragment_sync_delay values (one fragment; with --delay 0 only)")
+    parser.add_argument("--merge", nargs="+", default=["replace"], choices=("replace", "eager"),
+                        help="with --tau > 0: exchange.fragment_merge (replace discards the tau steps, "
+                             "eager keeps them)")
     parser.add_argument("--dp-from", type=Path, default=None,
                         help="reuse the DP curves of an earlier run's JSON (same --steps; DP does not depend on H)")
     parser.add_argument("--hidden", type=int, default=None,
@@ -233,25 +262,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:>2}  DP {'':>9} {'':>5} {dp_final:>8.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
         for h in args.sync_every:
             sim = Sim(n, h, args.steps * args.factor)
-            for delay in args.delay:
+            arms = [(d, 0, "replace") for d in args.delay if d or 0 in args.tau]
+            arms += [(0, t, m) for t in args.tau if 0 < t < h for m in args.merge]
+            for delay, tau, merge in arms:
                 for outer in grid:
                     t0 = time.monotonic()
                     curve = run_diloco(sim, n, h, args.steps * args.factor, outer, delay, stop_below=dp_final,
-                                       min_steps=args.steps, eager=args.eager)
+                                       min_steps=args.steps, eager=args.eager, tau=tau, merge=merge)
                     at_t = next(loss for s, loss in curve if s == args.steps)
                     hit = steps_to(curve, dp_final)
                     row = {"replicas": n, "sync_every": h, "outer": str(outer), "delay": delay,
-                           "eager": args.eager if delay else None, "loss_at_T": at_t,
+                           "eager": args.eager if delay else None, "tau": tau, "merge": merge if tau else None,
+                           "loss_at_T": at_t,
                            "dp_loss_at_T": dp_final, "gap_pct": 100 * (at_t / dp_final - 1), "steps_to_dp": hit,
                            "tokens_vs_dp": None if hit is None else hit / args.steps, "curve": curve, "dp_curve": dp,
                            "seconds": time.monotonic() - t0}
                     rows.append(row)
                     x = "-" if hit is None else f"{hit / args.steps:.2f}"
-                    print(f"{n:>2} {h:>3} {str(outer):>9} {delay:>5} {at_t:>8.4f} {dp_final:>8.4f} "
+                    label = f"t{tau}{merge[0]}" if tau else str(delay)
+                    print(f"{n:>2} {h:>3} {str(outer):>9} {label:>5} {at_t:>8.4f} {dp_final:>8.4f} "
                           f"{row['gap_pct']:>+7.2f} {hit or '-':>11} {x:>6} {row['seconds']:>6.0f}", flush=True)
     best: dict[str, Any] = {}
     for row in rows:
         key = f"N={row['replicas']} H={row['sync_every']} delay={row['delay']}"
+        if row.get("tau"):
+            key += f" tau={row['tau']} {row['merge']}"
         if key not in best or row["loss_at_T"] < best[key]["loss_at_T"]:
             best[key] = row
     print("\nbest outer setting at equal tokens:")

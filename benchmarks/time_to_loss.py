@@ -49,6 +49,14 @@ momentum 0.1-0.6 and heavy-ball momentum 0.3 were no better. ``--set outer.lr=0.
                 user gets with "auto". The run is T x factor inner steps, as the other arms; rank 0 evaluates
                 every ``--sync-every`` inner steps, as in arm b (``eval_every`` counts rounds of the first H).
   (f) auto H + overlap  ``--arms abf``: (e) with ``outer.delay = 1``.
+  (g) in-round overlap, replace  ``--arms abg``: no delay, H = ``--g-sync-every`` (8), ``exchange.fragment_sync_delay
+                = tau`` with one fragment (the exchange runs during the round's last tau steps; torchft then sets
+                the replica to the new global: those steps are discarded); tau = ``--g-tau``, or (auto) the
+                fewest steps whose compute covers 1.25x (b)'s measured exchange, at most H - 1.
+  (h) in-round overlap, eager  ``--arms abh``: (g) with ``exchange.fragment_merge = "eager"``
+                (trainer/fragment_merge.py: the replica keeps its tau steps' progress on top of the new global).
+  (i) auto H + in-round overlap  ``--arms abi``: (e) with ``exchange.fragment_sync_delay = --i-tau`` (the first
+                rounds' tau, 4) and the eager merge: rank 0 picks each round's H and tau (trainer/sync_every.py).
 
 The last table gives every DiLoCo arm's wall time and tokens (steps) to (a)'s final loss as a share of
 (a)'s, and the replicas' compute share of their wall time (inner steps over the span from the first step to
@@ -85,6 +93,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -392,7 +401,8 @@ def run_diloco(setup: Setup, site: StoreSite, work: Path) -> dict[str, Any]:
             "sync_every": setup.sync_every, "overrides": setup.overrides(setup.diloco_steps), **_compute_share(metrics),
             "start_stagger_s": max(starts) - min(starts) if starts else 0.0,
             "steps": setup.diloco_steps, "exchanges": len(metrics.get(0, [])),
-            "h_per_round": [m.get("sync_every") for m in metrics.get(0, [])],
+            "h_per_round": [f"{m['sync_every']}t{m['sync_every_tau']}" if m.get("sync_every_tau")
+                            else m.get("sync_every") for m in metrics.get(0, [])],
             "h_reasons": [m.get("sync_every_reason") for m in metrics.get(0, []) if m.get("sync_every_reason")],
             "bytes_up": sum(m.get("bytes_up", 0) for m in recs),
             "bytes_down": sum(m.get("bytes_down", 0) for m in recs),
@@ -625,7 +635,30 @@ def print_table(res: dict[str, Any]) -> None:
 
 ARM_LABELS = {"b_diloco": "(b) DiLoCo (--set, baseline outer)", "c_overlap": "(c) overlap, H rule, product outer",
               "d_small_h": "(d) no overlap, small H, product outer", "e_auto": "(e) auto H, product outer",
-              "f_auto_overlap": "(f) auto H + overlap, product outer"}
+              "f_auto_overlap": "(f) auto H + overlap, product outer",
+              "g_tau_replace": "(g) tau overlap, replace", "h_tau_eager": "(h) tau overlap, eager merge",
+              "i_auto_tau": "(i) auto H + tau, eager merge"}
+
+
+def run_tau_arm(setup: Setup, site: StoreSite, work: Path, h: int, tau: int, merge: str) -> dict[str, Any]:
+    """(g) and (h): the product without delay at ``h`` inner steps per round, the exchange overlapping the
+    round's last ``tau`` steps (``exchange.fragment_sync_delay``), ``exchange.fragment_merge = merge``."""
+    t_setup = replace(setup, sync_every=h, diloco_outer=(),
+                      extra=(f"exchange.fragment_sync_delay={tau}", f"exchange.fragment_merge={merge}",
+                             *setup.extra))
+    out = run_diloco(t_setup, site, work)
+    out["tau"], out["sync_every"] = tau, f"{h}t{tau}"
+    return out
+
+
+def overlap_tau(args: argparse.Namespace, res: dict[str, Any], h: int) -> int:
+    """``--g-tau``, or the fewest inner steps whose compute covers 1.25x (b)'s measured exchange (at most H - 1)."""
+    if args.g_tau != "auto":
+        return int(args.g_tau)
+    b = res["arms"].get("b_diloco")
+    if not b or not b.get("compute_s_per_step") or not b.get("exchange_s_median"):
+        raise SystemExit("--g-tau auto needs arm b's timings: run --arms abg, or give --g-tau TAU")
+    return int(max(1, min(h - 1, math.ceil(1.25 * b["exchange_s_median"] / b["compute_s_per_step"]))))
 
 
 def run_product_arm(setup: Setup, site: StoreSite, work: Path, h: int, delay: int) -> dict[str, Any]:
@@ -635,7 +668,7 @@ def run_product_arm(setup: Setup, site: StoreSite, work: Path, h: int, delay: in
     return run_diloco(c_setup, site, work)
 
 
-def run_auto_arm(setup: Setup, site: StoreSite, work: Path, delay: int) -> dict[str, Any]:
+def run_auto_arm(setup: Setup, site: StoreSite, work: Path, delay: int, tau: int = 0) -> dict[str, Any]:
     """(e) and (f): the product's ``inner.sync_every = "auto"`` (first rounds at H = 8, the run T x factor inner
     steps), the product's outer defaults, ``outer.delay = delay``."""
     from diloco_serverless.config import AUTO_SYNC_INITIAL
@@ -643,7 +676,9 @@ def run_auto_arm(setup: Setup, site: StoreSite, work: Path, delay: int) -> dict[
     # evaluate every sync_every (H of arm b) inner steps, as arm b does: eval_every counts rounds of the first H
     every = max(1, setup.sync_every // AUTO_SYNC_INITIAL)
     a_setup = replace(setup, sync_every=AUTO_SYNC_INITIAL, diloco_outer=(),
-                      extra=("inner.auto_sync=true", f"outer.delay={delay}", f"eval_every={every}", *setup.extra))
+                      extra=("inner.auto_sync=true", f"outer.delay={delay}", f"eval_every={every}",
+                             *((f"exchange.fragment_sync_delay={tau}", "exchange.fragment_merge=eager") if tau else ()),
+                             *setup.extra))
     out = run_diloco(a_setup, site, work)
     out["sync_every"] = "auto"
     return out
@@ -681,6 +716,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--d-sync-every", type=int, default=8, metavar="H",
                         help="H of arm d (no overlap; default 8: the fewest tokens to (a)'s loss in "
                              "benchmarks/outer_sweep.py at N = 4)")
+    parser.add_argument("--g-sync-every", type=int, default=8, metavar="H", help="H of arms g and h (default 8)")
+    parser.add_argument("--g-tau", default="auto", metavar="TAU|auto",
+                        help="exchange.fragment_sync_delay of arms g and h; auto: from arm b's compute and exchange")
+    parser.add_argument("--i-tau", type=int, default=4, metavar="TAU",
+                        help="arm i: the first rounds' tau (exchange.fragment_sync_delay; rank 0 decides later ones)")
     parser.add_argument("--diloco-factor", type=int, default=None, metavar="K",
                         help="(b) trains K x T steps (same data stream, constant lr), to measure when it reaches "
                              "(a)'s final loss; its equal-token results are read at step T (default 1)")
@@ -738,6 +778,15 @@ def main(argv: list[str] | None = None) -> int:
             if arm in args.arms:
                 res["arms"][key] = run_auto_arm(setup, site, Path(tmp), delay)
                 print(f"{key}: {json.dumps(res['arms'][key])}", flush=True)
+        for arm, key, merge in (("g", "g_tau_replace", "replace"), ("h", "h_tau_eager", "eager")):
+            if arm in args.arms:
+                tau = overlap_tau(args, res, args.g_sync_every)
+                print(f"arm {arm}: H = {args.g_sync_every}, tau = {tau}", flush=True)
+                res["arms"][key] = run_tau_arm(setup, site, Path(tmp), args.g_sync_every, tau, merge)
+                print(f"{key}: {json.dumps(res['arms'][key])}", flush=True)
+        if "i" in args.arms:
+            res["arms"]["i_auto_tau"] = run_auto_arm(setup, site, Path(tmp), 0, tau=args.i_tau)
+            print(f"i_auto_tau: {json.dumps(res['arms']['i_auto_tau'])}", flush=True)
     res["load_avg_end"] = os.getloadavg()
     if "a_sync_dp" in res["arms"] and "b_diloco" in res["arms"]:
         digests = {d for arm in res["arms"].values() for d in arm["init_digests"]}

@@ -593,6 +593,11 @@ class ExchangeConfig(_Section):
     fragment_sync_delay: int = Field(
         0, ge=0, description="Inner steps a fragment's exchange overlaps with training (Streaming DiLoCo tau)."
     )
+    fragment_merge: Literal["replace", "eager"] = Field(
+        "replace", description="At a sync with fragment_sync_delay > 0: 'replace' sets the replica to the new global "
+        "parameters (the tau steps are discarded); 'eager' adds its own progress of those tau steps to them "
+        "(one fragment, one device)."
+    )
     straggler_timeout_s: float = Field(
         STRAGGLER_TIMEOUT_S,
         gt=0.0,
@@ -880,6 +885,8 @@ class RunConfig(_Section):
                 f"exchange.fragment_sync_delay = 0 and parallel.devices = 1 (got {f}, "
                 f"{self.exchange.fragment_sync_delay}, {self.parallel.devices}); set outer.delay = 0 or change those"
             )
+        if self.exchange.fragment_merge == "eager":
+            self._check_fragment_merge()
         if self.inner.auto_sync:
             self._check_auto_sync()
         if not self.outer.model_fields_set & {"lr", "momentum", "nesterov"}:  # none set: by (N, H)
@@ -910,6 +917,16 @@ class RunConfig(_Section):
         _refuse_secrets(self.model_dump(mode="json"), "")
         return self
 
+    def _check_fragment_merge(self) -> None:
+        ex = self.exchange
+        if ex.fragment_sync_delay == 0 or ex.fragments != 1 or self.parallel.devices > 1:
+            raise ValueError(
+                'exchange.fragment_merge = "eager" keeps the steps trained while one whole-model exchange is in '
+                "flight: it needs exchange.fragment_sync_delay > 0, exchange.fragments = 1 and parallel.devices = 1 "
+                f"(got {ex.fragment_sync_delay}, {ex.fragments}, {self.parallel.devices}); set "
+                'exchange.fragment_merge = "replace" or change those'
+            )
+
     def _check_auto_sync(self) -> None:
         inner, ex = self.inner, self.exchange
         if not inner.auto_sync_min <= inner.sync_every <= inner.auto_sync_max:
@@ -917,11 +934,11 @@ class RunConfig(_Section):
                 f"inner.auto_sync: the first rounds' H, inner.sync_every ({inner.sync_every}), must lie in "
                 f"inner.auto_sync_min..auto_sync_max ({inner.auto_sync_min}..{inner.auto_sync_max}); change one"
             )
-        if ex.fragments != 1 or ex.fragment_sync_delay or self.parallel.devices > 1 or self.loss.channel1 != "lm":
+        if ex.fragments != 1 or self.parallel.devices > 1 or self.loss.channel1 != "lm":
             raise ValueError(
                 'inner.sync_every = "auto" decides whole-model rounds of language modelling on one device: it needs '
-                "exchange.fragments = 1, exchange.fragment_sync_delay = 0, parallel.devices = 1 and "
-                f'loss.channel1 = "lm" (got {ex.fragments}, {ex.fragment_sync_delay}, {self.parallel.devices}, '
+                "exchange.fragments = 1, parallel.devices = 1 and "
+                f'loss.channel1 = "lm" (got {ex.fragments}, {self.parallel.devices}, '
                 f'"{self.loss.channel1}"); set a number for inner.sync_every or change those'
             )
 

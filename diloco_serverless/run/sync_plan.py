@@ -1,13 +1,14 @@
 """H decided at run time (``inner.sync_every = "auto"``): one signed, create-only object per round.
 
-    sync_every/<round:08d>.json   {"round", "h", "start", "last", "reason", "compute_s", "exchange_s"[, "mac"]}
+    sync_every/<round:08d>.json   {"round", "h", "start", "last", "reason", "compute_s", "exchange_s", "tau"[, "mac"]}
 
 Rank 0 writes the plan of round r before it trains round r (the rule: :mod:`diloco_serverless.trainer.sync_every`);
 every other replica reads it before training round r, so every replica runs the same H in every round. A
 plan names the round's first inner step (``start``), so it alone says where the round begins: a replica that
 restarts, or replays rounds it missed, counts inner steps, data positions and the lr schedule from the stored
 plans, never from its own timings. ``last`` marks the round that ends the run (its ``start + h`` is the run's
-inner-step budget).
+inner-step budget). ``tau`` (in-round overlap, ``exchange.fragment_sync_delay > 0`` with auto) is how many of
+the round's last inner steps its exchange overlaps; 0 without.
 
 With the run key a plan carries an HMAC bound to its key (kind :data:`PLAN_KIND`, place
 ``sync_every/<round>.json``): one that does not verify, is not a JSON object of the right fields, or names
@@ -58,6 +59,7 @@ class RoundPlan:
     reason: str = "initial"
     compute_s: float | None = None  # rank 0's measured seconds per inner step (median of recent rounds)
     exchange_s: float | None = None  # rank 0's measured seconds per exchange (median of recent rounds)
+    tau: int = 0  # the round's last inner steps its exchange overlaps (exchange.fragment_sync_delay); < h
 
     @property
     def end(self) -> int:
@@ -67,7 +69,8 @@ class RoundPlan:
     def tag(self) -> str:
         """What a replica trains this round under, as the exchange's ready marker carries it: the round, its
         H and its first inner step (the timings and the reason do not change what is trained)."""
-        return f"round {self.round}: h={self.h} from step {self.start}{' (last)' if self.last else ''}"
+        tau = f" tau={self.tau}" if self.tau else ""
+        return f"round {self.round}: h={self.h}{tau} from step {self.start}{' (last)' if self.last else ''}"
 
 
 def _parse(doc: Any, round_: int, where: str) -> RoundPlan:
@@ -78,8 +81,9 @@ def _parse(doc: Any, round_: int, where: str) -> RoundPlan:
         plan = RoundPlan(**body)
     except TypeError as exc:
         raise PlanRefused(f"{where}: unexpected fields ({exc})") from None
-    ints = (plan.round, plan.h, plan.start)
+    ints = (plan.round, plan.h, plan.start, plan.tau)
     if (not all(isinstance(v, int) and not isinstance(v, bool) for v in ints) or plan.h < 1 or plan.start < 0
+            or not 0 <= plan.tau < plan.h
             or not isinstance(plan.last, bool) or not isinstance(plan.reason, str)
             or any(v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v))
                    for v in (plan.compute_s, plan.exchange_s))):

@@ -90,6 +90,7 @@ from diloco_serverless.trainer.checkpoint import final_exists, write_final
 from diloco_serverless.trainer.deadline import AttemptDeadline
 from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
 from diloco_serverless.trainer.error_feedback import gather_buffers, restore_buffers
+from diloco_serverless.trainer.fragment_merge import enable_fragment_merge, load_merge_state, merge_state
 from diloco_serverless.trainer.fsdp import (
     FSDPReplica,
     full_state_dict,
@@ -225,6 +226,7 @@ class ReplicaTrainer:
         keep_global_state_fp32(self.rep, every_fragment=self.fsdp)
         if cfg.outer.delay:  # one-step-delay rounds: trainer/overlap.py
             enable_delay(self.rep, eager=cfg.outer.eager)
+        self.merge = enable_fragment_merge(self.rep, cfg.exchange.fragment_merge)  # trainer/fragment_merge.py
         if self.fsdp:  # the exchange slice, the global parameters and the outer momentum are the shards
             assert local is not None
             self.rep = FSDPReplica(self.rep, local)
@@ -459,6 +461,7 @@ class ReplicaTrainer:
             tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device)
         tensors.update(buffers if buffers is not None else gather_buffers(self.manager, None, self.fragments))
         tensors.update(getattr(self.manager, "own_state", dict)())  # outer.delay: the eager start
+        tensors.update(merge_state(self.merge))  # exchange.fragment_merge = "eager": the last sync's offset
         at, loss = torch.stack([self._diverged_at.double(), self._diverged_loss.double()]).tolist()
         doc = {
             "param_groups": opt["param_groups"],
@@ -495,6 +498,7 @@ class ReplicaTrainer:
         restore_buffers(self.manager, tensors, self.local)
         if callable(load_own := getattr(self.manager, "load_own_state", None)):
             load_own(tensors)
+        load_merge_state(self.merge, tensors)
         if self.taid is not None and doc.get("taid") is not None:
             self.taid.load_state_dict(doc["taid"])
         diverged = doc.get("diverged")
@@ -636,7 +640,7 @@ class ReplicaTrainer:
         if cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.inner.grad_clip, foreach=True)
         bad = self._record_divergence(comps.total)
-        if seg.steps + 1 == self.rep.inner_steps_per_round - cfg.exchange.fragment_sync_delay:
+        if seg.steps + 1 == self.rep.inner_steps_per_round - self.rep.diloco._fragment_sync_delay:
             self._check_divergence()  # this step's inner.step() hands the pseudo-gradient over
         if not self._fused and bool(self._skip):  # no found_inf: drop the gradients instead
             self.inner.zero_grad(set_to_none=True)
@@ -799,7 +803,7 @@ class ReplicaTrainer:
         plan = self.planner.plans.get(round_) if self.planner is not None else None
         if plan is not None:  # what rank 0 decided this round's H from
             out.update(sync_every=plan.h, sync_every_reason=plan.reason, sync_every_compute_s=plan.compute_s,
-                       sync_every_exchange_s=plan.exchange_s)
+                       sync_every_exchange_s=plan.exchange_s, sync_every_tau=plan.tau)
         return out
 
     def _steps_before(self, round_: int) -> int:

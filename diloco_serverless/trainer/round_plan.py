@@ -19,7 +19,7 @@ from diloco_serverless.run.sync_plan import PlanRefused, PlanTimeout, RoundPlan,
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer.diloco import DiLoCoReplica
 from diloco_serverless.trainer.manager import ExchangeRecord
-from diloco_serverless.trainer.sync_every import AutoSyncEvery
+from diloco_serverless.trainer.sync_every import TAU_SHARE, AutoSyncEvery
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,11 @@ class RoundPlanner:
         self.total_steps = cfg.rounds * cfg.inner.sync_every
         self.on_rounds = on_rounds
         self.plans: dict[int, RoundPlan] = {}
+        #: in-round overlap (exchange.fragment_sync_delay > 0): each plan also says the round's tau
+        self.tau0 = cfg.exchange.fragment_sync_delay
         self.rule = (AutoSyncEvery(overlap=bool(cfg.outer.delay), lo=cfg.inner.auto_sync_min,
-                                   hi=cfg.inner.auto_sync_max) if rank == 0 else None)
+                                   hi=cfg.inner.auto_sync_max, tau_share=TAU_SHARE if self.tau0 else None)
+                     if rank == 0 else None)
 
     @property
     def max_rounds(self) -> int:
@@ -86,6 +89,7 @@ class RoundPlanner:
             self.ensure(round_ + 1)
         for owner in (self.rep.diloco, *self.rep.diloco._fragments):  # one fragment (config): the round's H
             owner._sync_every = plan.h
+            owner._fragment_sync_delay = plan.tau  # and how many of its last steps overlap the exchange
         bind = getattr(self.rep.manager, "bind_plan", None)
         if bind is not None:  # the round's ready marker carries the plan: replicas under different plans fail it
             bind(round_, plan.tag())
@@ -128,8 +132,9 @@ class RoundPlanner:
             h, reason = self.cfg.inner.sync_every, "initial"
         timed = self.rule.timings()
         h = min(h, self.total_steps - start)
+        tau = (min(self.tau0, h - 1) if reason == "initial" else self.rule.tau(h, self.tau0)) if self.tau0 else 0
         decided = RoundPlan(round_, h, start, last=start + h >= self.total_steps, reason=reason,
-                            compute_s=timed[0] if timed else None, exchange_s=timed[1] if timed else None)
+                            compute_s=timed[0] if timed else None, exchange_s=timed[1] if timed else None, tau=tau)
         write_plan(self.store, decided, self.run_key)
         if h != current:
             logger.info("rank 0: H of round %d is %d (was %d; %.3f s per inner step, %.3f s per exchange)",
@@ -147,8 +152,9 @@ class RoundPlanner:
             pass
         prev = self.stored(round_ - 1) if round_ > 0 else None
         h = min(prev.h if prev is not None else self.cfg.inner.sync_every, self.total_steps - start)
+        tau = min(prev.tau if prev is not None else self.tau0, h - 1) if self.tau0 else 0
         write_plan(self.store, RoundPlan(round_, h, start, last=start + h >= self.total_steps,
-                                         reason=f"kept by rank {self.rank}: rank 0 absent"), self.run_key)
+                                         reason=f"kept by rank {self.rank}: rank 0 absent", tau=tau), self.run_key)
         logger.warning("rank %d: rank 0 wrote no plan of round %d within exchange.straggler_timeout_s; "
                        "keeping H = %d", self.rank, round_, h)
 

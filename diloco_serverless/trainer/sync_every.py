@@ -19,12 +19,26 @@ import math
 import statistics
 from collections import deque
 
-__all__ = ["DRIFT", "WINDOW", "AutoSyncEvery", "choose_sync_every"]
+__all__ = ["DRIFT", "TAU_SHARE", "WINDOW", "AutoSyncEvery", "choose_sync_every", "choose_tau"]
 
 #: rounds whose timings the decision looks at (their median: one slow round does not move H)
 WINDOW = 3
 #: H changes only when the rule's answer leaves [H / (1 + DRIFT), H x (1 + DRIFT)]
 DRIFT = 0.25
+#: in-round overlap (exchange.fragment_sync_delay with auto): at most this share of a round's steps overlap its
+#: exchange. benchmarks/outer_sweep.py --tau (N = 4, eager merge, loss at equal tokens against DP): H = 8 plain +4.4 %,
+#: tau = 1 +5.6 %, 2 +7.7 % (replace +6.8 %), 4 +9.7 %; H = 16 plain +7.0 %, tau = 2 +8.5 %, 4 +11.3 %, 8 +14.5 %: the
+#: cost grows with tau / H, and at 1/2 it reaches a whole-round delay's (+12.8 % at H = 8): a quarter at most
+TAU_SHARE = 0.25
+
+
+def choose_tau(compute_s_per_step: float, exchange_s: float, *, margin: float = 1.25) -> int:
+    """The fewest inner steps whose compute covers ``margin`` x the exchange (at least 1): the in-round
+    overlap (``exchange.fragment_sync_delay``) that hides it."""
+    if not math.isfinite(compute_s_per_step) or compute_s_per_step <= 0 or not math.isfinite(exchange_s) \
+            or exchange_s < 0:
+        raise ValueError(f"need positive, finite timings (got {compute_s_per_step}, {exchange_s})")
+    return max(1, math.ceil(margin * exchange_s / compute_s_per_step - 1e-9))
 
 
 def choose_sync_every(compute_s_per_step: float, exchange_s: float, *, overlap: bool, margin: float = 1.25,
@@ -61,10 +75,14 @@ class AutoSyncEvery:
     """
 
     def __init__(self, *, overlap: bool, lo: int, hi: int, drift: float = DRIFT, window: int = WINDOW,
-                 margin: float = 1.25, share: float = 0.95) -> None:
+                 margin: float = 1.25, share: float = 0.95, tau_share: float | None = None) -> None:
         if not 1 <= lo <= hi or drift < 0 or window < 1:
             raise ValueError(f"need 1 <= lo <= hi, drift >= 0 and window >= 1 (got {lo}, {hi}, {drift}, {window})")
+        if tau_share is not None and not 0.0 < tau_share < 1.0:
+            raise ValueError(f"tau_share must lie in (0, 1), got {tau_share}")
         self.overlap, self.lo, self.hi, self.drift = overlap, lo, hi, drift
+        #: in-round overlap: H is the smallest whose last tau_share of steps hide the exchange (see :meth:`tau`)
+        self.tau_share = tau_share
         self.margin, self.share = margin, share
         self.compute: deque[float] = deque(maxlen=window)
         self.exchange: deque[float] = deque(maxlen=window)
@@ -90,10 +108,23 @@ class AutoSyncEvery:
         timed = self.timings()
         if timed is None:
             return current, "kept"
-        want = choose_sync_every(timed[0], timed[1], overlap=self.overlap, margin=self.margin, share=self.share,
-                                 lo=self.lo, hi=self.hi)
+        if self.tau_share is not None:  # the smallest H whose last tau_share of steps cover the exchange
+            tau = choose_tau(timed[0], timed[1], margin=self.margin)
+            want = min(self.hi, max(self.lo, tau + 1, math.ceil(tau / self.tau_share - 1e-9)))
+        else:
+            want = choose_sync_every(timed[0], timed[1], overlap=self.overlap, margin=self.margin,
+                                     share=self.share, lo=self.lo, hi=self.hi)
         if not measured_before:
             return want, "measured"
         if want > current * (1.0 + self.drift) or want * (1.0 + self.drift) < current:
             return want, "drift"
         return current, "kept"
+
+    def tau(self, h: int, initial: int) -> int:
+        """In-round overlap: the tau of a round of ``h`` steps (:func:`choose_tau` on the timings, ``initial``
+        before any), below ``h``; 0 without in-round overlap."""
+        if self.tau_share is None:
+            return 0
+        timed = self.timings()
+        tau = initial if timed is None else choose_tau(timed[0], timed[1], margin=self.margin)
+        return max(0, min(tau, h - 1))
