@@ -33,6 +33,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -86,9 +87,10 @@ def auto_plan(steps: int, compute_s: float, exchange_s: float, *, overlap: bool,
 
 
 def run_diloco_plan(sim: sweep.Sim, replicas: int, plan: list[int], outer: sweep.Outer, delay: int, *,
-                    eager: float = 1.0) -> list[tuple[int, float]]:
+                    eager: float = 1.0, on_eval: Callable[[list[tuple[int, float]]], None] | None = None,
+                    ) -> list[tuple[int, float]]:
     """``outer_sweep.run_diloco`` with round r training ``plan[r]`` inner steps (variable H); the global
-    model's loss at every round boundary."""
+    model's loss at every round boundary (``on_eval`` gets the curve so far after each)."""
     steps = sum(plan)
     reps = [sim.fresh(r) for r in range(replicas)]
     names = [n for n, p in reps[0][0].named_parameters() if p.requires_grad]
@@ -138,27 +140,58 @@ def run_diloco_plan(sim: sweep.Sim, replicas: int, plan: list[int], outer: sweep
                 p.copy_(glob[n])
         curve.append((done, sim.evaluate(evaluator)))
         print(f"  round {r:>3}  H {h:>3}  step {done:>4}  loss {curve[-1][1]:.4f}", flush=True)
+        if on_eval is not None:
+            on_eval(curve)
+    return curve
+
+
+def run_dp_rounds(sim: sweep.Sim, replicas: int, steps: int, every: int, *,
+                  on_eval: Callable[[list[tuple[int, float]]], None] | None = None) -> list[tuple[int, float]]:
+    """``outer_sweep.run_dp`` (sync DP: the gradients of ``replicas`` batches averaged every step), calling
+    ``on_eval`` with the curve so far after each evaluation (every ``every`` steps)."""
+    model, opt, _ = sim.fresh(0)
+    datas = [sim.fresh(r)[2] for r in range(replicas)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    curve: list[tuple[int, float]] = []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = sim.cfg.inner.lr_at(step, steps)
+        grads = []
+        for data in datas:
+            opt.zero_grad(set_to_none=True)
+            sim.loss_grad(model, data)
+            grads.append([p.grad.detach().clone() for p in params])
+        for i, p in enumerate(params):
+            p.grad = torch.stack([g[i] for g in grads]).mean(0)
+        torch.nn.utils.clip_grad_norm_(params, sim.cfg.inner.grad_clip, foreach=True)
+        opt.step()
+        if (step + 1) % every == 0:
+            curve.append((step + 1, sim.evaluate(model)))
+            print(f"  DP step {step + 1:>4}  loss {curve[-1][1]:.4f}", flush=True)
+            if on_eval is not None:
+                on_eval(curve)
     return curve
 
 
 def run_arm(args: argparse.Namespace) -> int:
     kind, _, outer_text = args.arm.partition(":")
-    outer = sweep.Outer.parse(outer_text)
+    outer = sweep.Outer.parse(outer_text) if kind != "dp" else None
     resize(args.hidden, args.layers)
     torch.set_num_threads(1)
     t0 = time.monotonic()
+    plans: list[tuple[int, str]] = []
     if kind == "auto":
         plans = auto_plan(args.steps, args.compute_ms / 1000, args.exchange_ms / 1000, overlap=bool(args.delay))
         plan = [h for h, _ in plans]
         print(f"auto H plan (compute {args.compute_ms} ms/step, exchange {args.exchange_ms} ms, "
               f"overlap {bool(args.delay)}): {plans}", flush=True)
-    elif kind.startswith("h") and kind[1:].isdigit():
-        h = int(kind[1:])
+    elif kind == "dp" or (kind.startswith("h") and kind[1:].isdigit()):
+        h = args.eval_every if kind == "dp" else int(kind[1:])
         if args.steps % h:
-            raise SystemExit(f"--steps {args.steps} is not a multiple of H = {h}; pick T = k x H")
+            raise SystemExit(f"--steps {args.steps} is not a multiple of {h}; pick T = k x {h}")
         plan = [h] * (args.steps // h)
     else:
-        raise SystemExit(f"--arm {args.arm!r}: expected 'auto:<lr,momentum[n]>' or 'h<H>:<lr,momentum[n]>'")
+        raise SystemExit(f"--arm {args.arm!r}: expected 'dp', 'auto:<lr,momentum[n]>' or 'h<H>:<lr,momentum[n]>'")
     sim = sweep.Sim(args.replicas, plan[0], args.steps)
     from diloco_serverless.trainer.model import count_parameters
 
@@ -166,37 +199,43 @@ def run_arm(args: argparse.Namespace) -> int:
     print(f"model: {params:,} parameters; arm {args.arm}, delay {args.delay}, N {args.replicas}, T {args.steps}; "
           f"inner lr {sim.cfg.inner.lr:g}, warmup {sim.cfg.inner.warmup_steps}, schedule {sim.cfg.inner.schedule}",
           flush=True)
-    if kind == "auto" or args.delay:
-        curve = run_diloco_plan(sim, args.replicas, plan, outer, args.delay, eager=args.eager)
-    else:  # fixed H without delay: outer_sweep's own loop, as in the DP + averaging run
-        curve = sweep.run_diloco(sim, args.replicas, plan[0], args.steps, outer, 0)
-        for s, loss in curve:
-            print(f"  step {s:>4}  loss {loss:.4f}", flush=True)
-    out = {"replicas": args.replicas, "steps": args.steps, "parameters": params, "arm": args.arm,
-           "outer": str(outer), "delay": args.delay, "eager": args.eager if args.delay else None, "plan": plan,
-           "compute_ms": args.compute_ms if kind == "auto" else None,
-           "exchange_ms": args.exchange_ms if kind == "auto" else None,
-           "inner": {"lr": sim.cfg.inner.lr, "warmup_steps": sim.cfg.inner.warmup_steps,
-                     "schedule": sim.cfg.inner.schedule},
-           "curve": curve, "seconds": time.monotonic() - t0}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out} ({out['seconds']:.0f} s)")
+
+    def save(curve: list[tuple[int, float]]) -> None:  # after every evaluation: a stopped run keeps its rounds
+        out = {"replicas": args.replicas, "steps": args.steps, "parameters": params, "arm": args.arm,
+               "outer": None if outer is None else str(outer), "delay": args.delay,
+               "eager": args.eager if args.delay else None, "plan": plan, "reasons": [r for _, r in plans],
+               "compute_ms": args.compute_ms if kind == "auto" else None,
+               "exchange_ms": args.exchange_ms if kind == "auto" else None,
+               "inner": {"lr": sim.cfg.inner.lr, "warmup_steps": sim.cfg.inner.warmup_steps,
+                         "schedule": sim.cfg.inner.schedule},
+               "curve": curve, "seconds": time.monotonic() - t0}
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+    if outer is None:
+        run_dp_rounds(sim, args.replicas, args.steps, plan[0], on_eval=save)
+    else:
+        run_diloco_plan(sim, args.replicas, plan, outer, args.delay, eager=args.eager, on_eval=save)
+    print(f"wrote {args.out} ({time.monotonic() - t0:.0f} s)")
     return 0
 
 
-def report(paths: list[Path]) -> int:
+def report(paths: list[Path], replicas: int) -> int:
     """The round-by-round table: every arm's loss at the DP eval steps, and its gap to DP."""
     dp: list[tuple[int, float]] | None = None
     arms: list[tuple[str, dict[int, float], list[int]]] = []
     for path in paths:
         data = json.loads(path.read_text())
         if "rows" in data:  # an outer_sweep.py JSON: its DP curve and its arms
-            for row in data["rows"]:
+            for row in (r for r in data["rows"] if r["replicas"] == replicas):
                 dp = dp or [(int(s), float(v)) for s, v in row["dp_curve"]]
                 label = f"H{row['sync_every']} {row['outer']}" + (" d1" if row["delay"] else "")
                 arms.append((label, {int(s): float(v) for s, v in row["curve"]},
                              [row["sync_every"]] * (data["steps"] // row["sync_every"])))
+        elif data["replicas"] != replicas:
+            continue
+        elif data["arm"] == "dp":
+            dp = [(int(st), float(v)) for st, v in data["curve"]]
         else:
             kind = data["arm"].partition(":")[0]
             label = f"{'auto' if kind == 'auto' else 'H' + kind[1:]} {data['outer']}" + \
@@ -219,11 +258,13 @@ def report(paths: list[Path]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--report", type=Path, nargs="+", default=None,
-                        help="print the round-by-round table of these JSONs (one from outer_sweep.py) and exit")
+                        help="print the round-by-round table of these JSONs at --replicas (one holding a DP curve: "
+                             "a 'dp' arm or an outer_sweep.py JSON) and exit")
     parser.add_argument("--arm", default="h30:1.0,0",
-                        help="'h<H>:<outer>' (fixed H) or 'auto:<outer>' (the product's auto H); outer as "
-                             "'lr,momentum' with an 'n' suffix for Nesterov, e.g. h30:0.7,0.9n")
+                        help="'dp' (sync DP), 'h<H>:<outer>' (fixed H) or 'auto:<outer>' (the product's auto H); "
+                             "outer as 'lr,momentum' with an 'n' suffix for Nesterov, e.g. h30:0.7,0.9n")
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--eval-every", type=int, default=30, help="dp: evaluate every this many steps")
     parser.add_argument("--steps", type=int, default=300, help="T: inner steps per replica (equal tokens)")
     parser.add_argument("--delay", type=int, default=0, choices=(0, 1), help="1: outer.delay = 1 (overlap)")
     parser.add_argument("--eager", type=float, default=1.0, help="with --delay 1: as outer_sweep.py --eager")
@@ -235,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results") / "scaling_rounds.json")
     args = parser.parse_args(argv)
     if args.report:
-        return report(args.report)
+        return report(args.report, args.replicas)
     return run_arm(args)
 
 
