@@ -2,9 +2,9 @@
 
 Run (from the repo root, venv active; losses only, deterministic, CPU, one thread per process):
 
-    # DP and plain averaging at H = 30, T = 300 (10 rounds): outer_sweep.py writes the DP curve
-    python benchmarks/outer_sweep.py --replicas 4 --sync-every 30 --steps 300 --grid 1.0,0 \\
-        --hidden 320 --layers 8 --out benchmarks/results/scaling12m_T300_dp_avg.json
+    # sync DP at equal tokens (evaluated every 30 steps; the JSON is rewritten after every evaluation)
+    python benchmarks/scaling_rounds.py --replicas 4 --steps 300 --hidden 320 --layers 8 --arm dp \\
+        --out benchmarks/results/scaling12m_T300_dp.json
     # more outer settings at H = 30 (one JSON per arm; arms can run in parallel processes)
     python benchmarks/scaling_rounds.py --replicas 4 --steps 300 --hidden 320 --layers 8 \\
         --arm h30:0.7,0.9n --out benchmarks/results/scaling12m_T300_nesterov.json
@@ -12,7 +12,8 @@ Run (from the repo root, venv active; losses only, deterministic, CPU, one threa
     python benchmarks/scaling_rounds.py --replicas 4 --steps 300 --hidden 320 --layers 8 \\
         --arm auto:1.0,0 --delay 1 --compute-ms 74 --exchange-ms 663 --out benchmarks/results/scaling12m_T300_auto.json
     # the round-by-round table of everything above against the DP curve
-    python benchmarks/scaling_rounds.py --report benchmarks/results/scaling12m_T300_*.json
+    python benchmarks/scaling_rounds.py --report benchmarks/results/scaling12m_T300_dp.json \\
+        benchmarks/results/scaling12m_T300_nesterov.json benchmarks/results/scaling12m_T300_auto.json
 
 The arithmetic is ``outer_sweep.py``'s (its ``Sim``, ``run_dp`` and ``run_diloco``: the same model, data,
 inner AdamW and lr schedule, outer SGD on fp32 global parameters). What this script adds:
@@ -23,6 +24,9 @@ inner AdamW and lr schedule, outer SGD on fp32 global parameters). What this scr
   decisions (``trainer/round_plan.py``): the first rounds train the first H (8, as ``"auto"``), round
   r + 2's H is decided at the end of round r from the timings measured so far, and with ``--delay 1`` a
   round's exchange is measured one round later (round 0 has none). The last round is cut at T.
+* ``--arm dp``: ``outer_sweep.run_dp``'s loop, and every arm's JSON is rewritten after each evaluation, so
+  a run stopped early keeps the rounds it reached (with a constant inner lr after the warmup, the product
+  default, they are the first rounds of any longer run).
 * ``--report``: the loss of every arm at each round boundary that is also a DP eval step, next to DP's,
   and the gap, so the trend with the number of rounds shows.
 """
