@@ -138,39 +138,102 @@ def encode(values: torch.Tensor, spec: SparseSpec) -> dict[str, torch.Tensor]:
     """Compress a flat fp32 CPU vector: ``{"packed": uint8, "scales": fp32}``.
 
     Raises ``ValueError`` when the input holds inf/NaN (a scale cannot represent them).
+
+    The full chunks are read block by block (:data:`_BLOCK_VALUES` values: their magnitudes go into one
+    small buffer that stays in cache, instead of a copy of the whole vector) and their top k found by
+    :func:`_top_k` (exactly the indices ``torch.topk`` keeps, about 4x less work at the defaults).
     """
     values = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
     n = values.numel()
     chunks, _, last = _entries(spec, n)
     if chunks == 0:
         return {"packed": torch.empty(0, dtype=torch.uint8), "scales": torch.empty(0, dtype=torch.float32)}
-    magnitude = values.abs()
-    if not bool(torch.isfinite(magnitude.amax())):  # amax propagates NaN and inf
-        raise ValueError("sparse codec got inf/NaN values; they cannot be quantised — check the replica's loss")
     full = n // spec.chunk
     idx_parts, val_parts = [], []
     if full:
+        rows = max(1, _BLOCK_VALUES // spec.chunk)
         blocks = values[: full * spec.chunk].view(full, spec.chunk)
-        idx = magnitude[: full * spec.chunk].view(full, spec.chunk).topk(spec.k, dim=1, sorted=False).indices
-        idx = idx.sort(dim=1).values
-        idx_parts.append(idx)
-        val_parts.append(blocks.gather(1, idx))
+        buf = torch.empty(min(rows, full), spec.chunk, dtype=torch.float32)
+        for a in range(0, full, rows):
+            block = blocks[a : a + rows]
+            magnitude = torch.abs(block, out=buf[: block.shape[0]])
+            idx = _top_k(magnitude, spec.k)
+            idx_parts.append(idx)
+            val_parts.append(block.gather(1, idx))
     if full < chunks:  # a last, shorter chunk
         tail = values[full * spec.chunk :]
-        idx = magnitude[full * spec.chunk :].topk(last, sorted=False).indices.sort().values
+        magnitude = tail.abs()
+        _check_finite(magnitude.amax())
+        idx = magnitude.topk(last, sorted=False).indices.sort().values
         idx_parts.append(idx.view(1, -1))
         val_parts.append(tail[idx].view(1, -1))
-    scales = torch.cat([v.abs().amax(dim=1) for v in val_parts])
+    parts = [(torch.cat(idx_parts[:-1]), torch.cat(val_parts[:-1])), (idx_parts[-1], val_parts[-1])] \
+        if full < chunks and full else [(torch.cat(idx_parts), torch.cat(val_parts))]  # a short row apart
     levels = 1 << (spec.bits - 1)
-    codes, row = [], 0
-    for v in val_parts:
-        s = scales[row : row + v.shape[0], None]
-        mag = torch.where(s > 0, v.abs() / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(v))
-        m = (mag * levels).round_().sub_(1).clamp_(0, levels - 1).to(torch.int64)
-        codes.append(((v < 0).to(torch.int64) << (spec.bits - 1)) | m)
-        row += v.shape[0]
-    fields = torch.cat([((i.to(torch.int64) << spec.bits) | c).reshape(-1) for i, c in zip(idx_parts, codes)])
-    return {"packed": _pack_bits(fields, spec.field_bits), "scales": scales.contiguous()}
+    scales_parts, fields = [], []
+    for i, v in parts:
+        mag = v.abs()
+        s = mag.amax(dim=1)
+        scales_parts.append(s)
+        s = s[:, None]
+        q = torch.where(s > 0, mag / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(v))
+        m = (q * levels).round_().sub_(1).clamp_(0, levels - 1).to(torch.int64)
+        code = ((v < 0).to(torch.int64) << (spec.bits - 1)) | m
+        fields.append(((i.to(torch.int64) << spec.bits) | code).reshape(-1))
+    scales = torch.cat(scales_parts) if len(scales_parts) > 1 else scales_parts[0]
+    packed_fields = torch.cat(fields) if len(fields) > 1 else fields[0]
+    return {"packed": _pack_bits(packed_fields, spec.field_bits), "scales": scales.contiguous()}
+
+
+#: Values of the full chunks ``encode`` reads at a time (1M: a 4 MB magnitude buffer).
+_BLOCK_VALUES = 1 << 20
+
+
+def _check_finite(amax: torch.Tensor) -> None:
+    if not bool(torch.isfinite(amax)):  # amax propagates NaN and inf
+        raise ValueError("sparse codec got inf/NaN values; they cannot be quantised — check the replica's loss")
+
+
+def _top_k(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices, ascending, of the ``k`` largest of each row of ``magnitude`` (rows, chunk; non-negative):
+    ``magnitude.topk(k, sorted=False).indices.sort().values``, bit for bit, with ties (``ValueError`` for
+    inf/NaN).
+
+    Where it pays, it looks only at the candidates: the row cut into groups of ``g`` values, the ``k + 1``
+    groups with the largest maxima hold the ``k + 1`` largest values of the row (any value outside them is
+    at most the (k+1)-th largest group maximum, and those k+1 maxima are values in the candidates), so
+    the top ``k + 1`` of the candidates are the row's top ``k + 1`` values. When the k-th of them is larger
+    than the (k+1)-th, the row's top k is that set, whatever the algorithm; a row where they are equal (a
+    tie at the boundary: which of the equal values ``topk`` keeps is its own choice) is given to
+    ``torch.topk`` itself."""
+    rows, chunk = magnitude.shape
+    g = _group_size(chunk, k)
+    if g == 1:
+        _check_finite(magnitude.amax())
+        return magnitude.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    groups = magnitude.view(rows, chunk // g, g).amax(dim=2)
+    _check_finite(groups.amax())
+    best = groups.topk(k + 1, dim=1, sorted=False).indices  # (rows, k+1) group numbers
+    cand = (best[:, :, None] * g + torch.arange(g)).view(rows, (k + 1) * g)  # positions in the row
+    top = magnitude.gather(1, cand).topk(k + 1, dim=1, sorted=True)
+    idx = cand.gather(1, top.indices[:, :k]).sort(dim=1).values
+    tied = (top.values[:, k - 1] == top.values[:, k]).nonzero().view(-1)
+    if tied.numel():
+        idx[tied] = magnitude[tied].topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    return idx
+
+
+def _group_size(chunk: int, k: int) -> int:
+    """The group size of :func:`_top_k`'s candidates: the power of two ``g`` that makes the values it looks
+    at, ``chunk / g`` maxima and ``(k + 1) * g`` candidates, fewest; 1 (plain ``topk``) where that is not
+    under half the chunk."""
+    best, cost = 1, chunk
+    g = 2
+    while chunk // g >= k + 1:
+        if chunk // g + (k + 1) * g < cost:
+            best, cost = g, chunk // g + (k + 1) * g
+        g *= 2
+    return best if cost <= chunk // 2 else 1
 
 
 def _pack_bits(fields: torch.Tensor, width: int) -> torch.Tensor:
