@@ -32,6 +32,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -238,17 +239,12 @@ def _group_size(chunk: int, k: int) -> int:
 
 def _pack_bits(fields: torch.Tensor, width: int) -> torch.Tensor:
     """``fields`` (int64, each < 2**width, width <= 25) as a bit stream, least significant bit first,
-    zero-padded to a whole byte. Vectorised: field ``i`` starts at bit ``i * width``, i.e. at bit
-    ``(i * width) % 8`` of byte ``(i * width) // 8``, and spans at most four bytes; fields never share a
-    bit, so adding their shifted bytes is OR-ing them."""
-    count = fields.numel()
-    nbytes = -(-count * width // 8)
-    offset = torch.arange(count, dtype=torch.int64) * width
-    start, shifted = offset >> 3, fields.to(torch.int64) << (offset & 7)
-    out = torch.zeros(nbytes + 4, dtype=torch.int64)
-    for t in range(4):
-        out.index_add_(0, start + t, (shifted >> (8 * t)) & 0xFF)
-    return out[:nbytes].to(torch.uint8)
+    zero-padded to a whole byte. Vectorised: each field's ``width`` low bits (of its little-endian bytes,
+    unpacked to bits) one after another, packed back into bytes."""
+    word = 1 if width <= 8 else 2 if width <= 16 else 4
+    as_bytes = fields.numpy().astype(f"<u{word}").view(np.uint8).reshape(-1, word)
+    bits = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width]
+    return torch.from_numpy(np.packbits(bits.reshape(-1), bitorder="little"))
 
 
 # --------------------------------------------------------------------------- decode
@@ -346,14 +342,17 @@ def decode_sparse(tensors: Mapping[str, torch.Tensor], spec: SparseSpec, numel: 
 def _unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """``count`` fields of ``width`` bits from :func:`_pack_bits`'s stream (int64); ``ValueError`` when the
     padding bits after the last field are not zero. The caller checked that ``packed`` holds exactly
-    ``ceil(count * width / 8)`` bytes."""
+    ``ceil(count * width / 8)`` bytes. Field ``i`` starts at bit ``(i * width) % 8`` of byte
+    ``(i * width) // 8`` and spans at most four bytes: it is read from the little-endian 32-bit word at
+    that byte (an unaligned view with a stride of one byte: one gather per field)."""
     if count == 0:
         return torch.zeros(0, dtype=torch.int64)
     used = count * width - 8 * (packed.numel() - 1)  # bits of the last byte that hold a field
     if used < 8 and int(packed[-1]) >> used:
         raise ValueError("its padding bits after the last value are not zero")
-    wide = torch.nn.functional.pad(packed.to(torch.int64), (0, 4))
-    offset = torch.arange(count, dtype=torch.int64) * width
-    start = offset >> 3
-    word = wide[start] | (wide[start + 1] << 8) | (wide[start + 2] << 16) | (wide[start + 3] << 24)
-    return (word >> (offset & 7)) & ((1 << width) - 1)
+    raw = np.zeros(packed.numel() + 4, dtype=np.uint8)
+    raw[: packed.numel()] = packed.numpy()
+    words = np.ndarray(shape=(packed.numel() + 1,), dtype="<u4", buffer=raw, strides=(1,))
+    offset = np.arange(count, dtype=np.int64) * width
+    word = words[offset >> 3].astype(np.int64)
+    return torch.from_numpy((word >> (offset & 7)) & ((1 << width) - 1))
