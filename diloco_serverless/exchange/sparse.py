@@ -274,7 +274,7 @@ class SparseValues:
         if acc.numel() != self.numel:
             raise ValueError(f"cannot add {self.numel} sparse values to an accumulator of {acc.numel()}")
         vals = self.values if factor == 1.0 else self.values * factor
-        acc[self.index] = acc[self.index].add_(vals)
+        acc.index_add_(0, self.index, vals)  # acc[i] + v, once per position: the indices are unique
 
 
 def concat(parts: Sequence[SparseValues]) -> SparseValues:
