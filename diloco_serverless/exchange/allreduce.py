@@ -27,7 +27,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
@@ -58,6 +58,7 @@ from diloco_serverless.exchange.codec import (
     pack,
     payload_bytes,
     reduced_codec,
+    residual,
     roundtrip,
     validate_codec,
 )
@@ -149,7 +150,7 @@ class _Round:
     me: ReadyMarker
     bounds: list[tuple[int, int]]
     deadline: float
-    own: list[torch.Tensor] | None = None  # our decoded contributions, per shard
+    own: Sequence[Summand] | None = None  # our decoded contributions, per shard (a direct sparse round's: as sent)
     stats: RoundStats | None = None
     prefetch: dict[str, Future[bytes | None]] = field(default_factory=dict)  # contrib key -> GET in flight
     prefetch_lock: threading.Lock = field(default_factory=threading.Lock)  # an EarlyFetch thread adds too
@@ -277,8 +278,9 @@ class ObjectStoreAllReduce:
             return tensor.detach().clone()
         self._io.reset()
         flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        owned = False  # whether flat is ours to overwrite (not the caller's tensor)
         if self.error_feedback and self.codec != "fp32":
-            flat = self._add_residual(flat, residual_key)
+            flat, owned = self._add_residual(flat, residual_key)
         self.protocol = self._protocol(flat.numel())
         me = self._marker(r, tensor, self.protocol)
         rs = _Round(r, me, shard_bounds(flat.numel(), shard_count(self.world_size, self.protocol, me.split)),
@@ -303,7 +305,7 @@ class ObjectStoreAllReduce:
             # A replica re-running a round it took part in before a restart contributed what it stored then:
             # the same bytes its (identical) input encodes to now, so its residual is recomputed from them.
             own = rs.own if rs.own is not None else [roundtrip(flat[a:b], self.codec) for a, b in rs.bounds]
-            self._residuals[residual_key] = flat - torch.cat(own)
+            self._residuals[residual_key] = residual(flat, own, in_place=owned)
         self._next_round = r + 1
         self._finish(rs, t0)
         return out.view(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
@@ -478,7 +480,7 @@ class ObjectStoreAllReduce:
             participants, out = mean_of(entries, rs.me)
             rs.stats.phases_s["reduce"] = time.monotonic() - t
             rs.stats.participants, rs.stats.late = participants, self.rank not in participants
-            rs.own = [dense(mine.values)] if mine.values is not None else None
+            rs.own = [mine.values] if mine.values is not None else None  # sparse as sent: no dense copy
             confirming.result()
             return out
         quorum = quorum_of(entries, rs.me)
@@ -732,13 +734,13 @@ class ObjectStoreAllReduce:
             acc /= len(quorum.participants)
             codec = reduced_codec(ref.codec, stored=False)
             pieces.append(decode_values(encode_values(acc, codec), codec, acc.numel()))
-        return torch.cat(pieces)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _gather_hierarchical(self, rs: _Round, quorum: Quorum) -> torch.Tensor:
         io = self._io
         assert io is not None and rs.stats is not None
         t = time.monotonic()
-        own = rs.own if self.rank in quorum.participants else None
+        own = [dense(v) for v in rs.own] if rs.own is not None and self.rank in quorum.participants else None
         h = HierarchicalRound(
             io, self.run_id, self._run_key, self.rank, rs.r, quorum, rs.bounds, own,
             self.takeover_timeout_s, self.poll_interval_s, rs.deadline,
@@ -874,11 +876,12 @@ class ObjectStoreAllReduce:
         """Restore what :meth:`residuals` returned."""
         self._residuals = {k: v.to(torch.float32).clone() for k, v in residuals.items()}
 
-    def _add_residual(self, flat: torch.Tensor, key: str) -> torch.Tensor:
+    def _add_residual(self, flat: torch.Tensor, key: str) -> tuple[torch.Tensor, bool]:
+        """``flat`` plus the decayed residual, and whether that is a new tensor (not the caller's)."""
         res = self._residuals.get(key)
         if res is None or res.numel() != flat.numel():
-            return flat
-        return flat + res if self.feedback_decay == 1.0 else torch.add(flat, res, alpha=self.feedback_decay)
+            return flat, False
+        return (flat + res if self.feedback_decay == 1.0 else torch.add(flat, res, alpha=self.feedback_decay)), True
 
     def _protocol(self, numel: int) -> Protocol:
         """This round's protocol (:func:`.topology.resolve`); a sparse codec's ``auto`` weighs its payload

@@ -33,7 +33,7 @@ import math
 import struct
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
@@ -51,6 +51,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "ShardHeader",
     "Summand",
+    "decode_as_sent",
     "decode_shard",
     "decode_summand",
     "decode_summand_checked",
@@ -62,6 +63,7 @@ __all__ = [
     "pack",
     "payload_bytes",
     "reduced_codec",
+    "residual",
     "roundtrip",
     "unpack",
     "validate_codec",
@@ -225,6 +227,30 @@ def _count_bad(values: torch.Tensor, *, allow_negative: bool = True) -> int:
 def dense(values: Summand) -> torch.Tensor:
     """``values`` as a flat fp32 vector."""
     return values.to_dense() if isinstance(values, sparse.SparseValues) else values
+
+
+def decode_as_sent(tensors: Mapping[str, torch.Tensor], codec: str, numel: int) -> Summand:
+    """:func:`decode_values`, but a sparse codec's values as they were sent
+    (:class:`~diloco_serverless.exchange.sparse.SparseValues`): a replica's own contribution is summed and
+    subtracted from its error-feedback buffer (:func:`residual`) without a dense copy of it."""
+    if sparse.is_sparse(codec):
+        return sparse.decode_sparse(tensors, sparse.parse(validate_codec(codec)), numel)
+    return decode_values(tensors, codec, numel)
+
+
+def residual(flat: torch.Tensor, sent: Sequence[Summand], *, in_place: bool = False) -> torch.Tensor:
+    """``flat - torch.cat([dense(s) for s in sent])``, bit for bit (the error feedback's ``e -= decode(c)``);
+    with ``in_place``, into ``flat`` itself. Sparse pieces are subtracted at their kept positions only:
+    ``x - 0.0`` is ``x`` for every float, ``-0.0`` included, so the other values need no arithmetic."""
+    if not sent or not all(isinstance(s, sparse.SparseValues) for s in sent):
+        diff = flat - torch.cat([dense(s) for s in sent]) if sent else flat.clone()
+        return flat.copy_(diff) if in_place else diff
+    kept = sparse.concat([s for s in sent if isinstance(s, sparse.SparseValues)])
+    if kept.numel != flat.numel():
+        raise ValueError(f"cannot subtract {kept.numel} sent values from a vector of {flat.numel()}")
+    out = flat if in_place else flat.clone()
+    out[kept.index] = out[kept.index].sub_(kept.values)
+    return out
 
 
 def roundtrip(values: torch.Tensor, codec: str) -> torch.Tensor:

@@ -43,9 +43,9 @@ from diloco_serverless.exchange.codec import (
     ShardHeader,
     Summand,
     check_fields,
+    decode_as_sent,
     decode_summand,
     decode_summand_checked,
-    decode_values,
     encode_values,
     pack,
     reduced_codec,
@@ -123,11 +123,12 @@ class Entry:
         return self.marker is not None
 
 
-def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -> tuple[bytes, torch.Tensor]:
-    """Rank ``me.rank``'s contribution object (its marker in the header) and the values others will decode."""
+def contribution(values: torch.Tensor, me: ReadyMarker, run_key: bytes | None) -> tuple[bytes, Summand]:
+    """Rank ``me.rank``'s contribution object (its marker in the header) and the values others will decode
+    (a sparse codec's as they were sent, :func:`~diloco_serverless.exchange.codec.decode_as_sent`)."""
     enc = encode_values(values, me.codec)
     header = {**asdict(piece_header(me, 0, (0, me.numel))), "marker": me.to_json()}
-    return pack(enc, header, run_key, place=vote_keys(me)[me.rank]), decode_values(enc, me.codec, me.numel)
+    return pack(enc, header, run_key, place=vote_keys(me)[me.rank]), decode_as_sent(enc, me.codec, me.numel)
 
 
 def vote(me: ReadyMarker, run_key: bytes | None) -> bytes:
@@ -218,8 +219,11 @@ def mean_of(entries: dict[int, Entry], me: ReadyMarker) -> tuple[list[int], torc
         acc = guarded_sum([(q, v) for q in participants if (v := entries[q].values) is not None],
                           what=f"round {me.round}")
     acc /= len(participants)
-    # through the codec piece by piece, as the pieces were encoded (and as a quorum's direct round does)
+    # through the codec piece by piece, as the pieces were encoded (and as a quorum's direct round does);
+    # fp32 (a sparse round's mean) passes through unchanged: no copy
     codec = reduced_codec(ref.codec, stored=False)
+    if codec == "fp32":
+        return participants, acc
     return participants, torch.cat([roundtrip(acc[a:b], codec) for a, b in shard_bounds(ref.numel, ref.split)])
 
 
@@ -498,20 +502,20 @@ class VotedRound:
         self._decided_by[self.me.rank] = _md5(data)
         return self._read(self.me.rank, data)
 
-    def _put_pieces(self, flat: torch.Tensor) -> torch.Tensor:
-        """PUT our share's pieces concurrently; returns the values others will decode."""
+    def _put_pieces(self, flat: torch.Tensor) -> Summand:
+        """PUT our share's pieces concurrently; returns the values others will decode (sparse as sent)."""
         me, bounds = self.me, shard_bounds(self.me.numel, self.me.split)
 
-        def one(j: int) -> torch.Tensor:
+        def one(j: int) -> Summand:
             a, b = bounds[j]
             enc = encode_values(flat[a:b], me.codec)
             header = asdict(piece_header(me, j, (a, b)))
             key = contrib_key(me.round, j, me.rank)
             self.io.put(key, pack(enc, header, self.p.run_key, place=key))
-            return decode_values(enc, me.codec, b - a)
+            return decode_as_sent(enc, me.codec, b - a)
 
         with ThreadPoolExecutor(max_workers=min(len(bounds), 32), thread_name_prefix=f"pieces-{me.rank}") as pool:
-            return torch.cat(list(pool.map(one, range(len(bounds)))))
+            return _joined(list(pool.map(one, range(len(bounds)))))
 
     def _read(self, rank: int, data: bytes) -> Entry:
         return read_entry(data, key=self.keys[rank], run_id=self.me.run_id, round=self.me.round, rank=rank,
