@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_auto_sync import _assert_same_globals, _create, _plans, _train
+from test_auto_sync import _assert_same_globals, _create, _plans
 
 from diloco_serverless.config import RunConfig
 from diloco_serverless.run.members import read_metrics
@@ -15,6 +15,7 @@ from diloco_serverless.run.sync_plan import RoundPlan
 from diloco_serverless.store.objectstore import ObjectStore
 from diloco_serverless.trainer import checkpoint as ckpt
 from diloco_serverless.trainer.sync_every import TAU_SHARE, AutoSyncEvery, choose_tau
+from support.crash_harness import run_two_with_crash
 from support.diloco_harness import write_jsonl
 
 TAU = {"exchange.fragment_sync_delay": 1, "exchange.fragment_merge": "eager", "inner.auto_sync_max": 8}
@@ -55,7 +56,7 @@ def test_auto_h_and_tau_are_every_replicas_and_a_crash_resumes_exactly(tmp_path:
     data = write_jsonl(tmp_path / "data.jsonl")
     kw = {"rounds": 4, "sync_every": 2, **TAU}  # 8 inner steps, first rounds H = 2, tau = 1
     url = _create(f"file://{tmp_path}/store", data, **kw)
-    out = _train(url, slow_rank=1, monkeypatch=monkeypatch)
+    out = run_two_with_crash(url, None, monkeypatch, slow_rank=1)
     plans = _plans(url)
     assert [(p.h, p.tau, p.reason) for p in plans[:2]] == [(2, 1, "initial"), (2, 1, "initial")]
     assert all(0 <= p.tau < p.h for p in plans) and plans[-1].end == 8
@@ -73,11 +74,11 @@ def test_auto_h_and_tau_are_every_replicas_and_a_crash_resumes_exactly(tmp_path:
     # (min = max) so the fault-free reference trains the same rounds
     pinned = {**kw, "inner.auto_sync_min": 2, "inner.auto_sync_max": 2}
     ref_url = _create(f"file://{tmp_path}/ref", data, **pinned)
-    reference = _train(ref_url, monkeypatch=monkeypatch)
+    reference = run_two_with_crash(ref_url, None, monkeypatch)
     assert all(p.tau == 1 for p in _plans(ref_url))
     for crash_at in (3, 4):
         crash_url = _create(f"file://{tmp_path}/crash{crash_at}", data, **pinned)
         ObjectStore(crash_url).put(ckpt.INITIAL_KEY, ObjectStore(ref_url).get(ckpt.INITIAL_KEY))
-        crashed = _train(crash_url, crash_at_call=crash_at, monkeypatch=monkeypatch)
+        crashed = run_two_with_crash(crash_url, crash_at, monkeypatch)
         for rank in (0, 1):
             _assert_same_globals(crashed[rank], reference[rank])

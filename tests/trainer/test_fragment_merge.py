@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import _assert_equal, _run_with_crash
+from test_train import _assert_equal
 from torch import nn
 
 from diloco_serverless.config import RunConfig
@@ -16,6 +16,7 @@ from diloco_serverless.errors import ConfigError
 from diloco_serverless.testing import MockGroup, MockManager
 from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
 from diloco_serverless.trainer.fragment_merge import EagerFragmentMerge, enable_fragment_merge
+from support.crash_harness import run_two_with_crash
 from support.diloco_harness import assert_close_params, assert_identical, inner_step, make_inner, tiny_model
 
 
@@ -195,7 +196,7 @@ def test_replica_loop_with_eager_merge_is_identical_and_resumes_exactly(tmp_path
     kw = {"rounds": 3, "sync_every": 4, "checkpoint_every": 1, "exchange.fragment_sync_delay": 2,
           "exchange.fragment_merge": "eager"}
     ref_url = create_tiny_run(f"file://{tmp_path}/ref", data, 2, **kw)
-    reference = _run_with_crash(ref_url, None, monkeypatch)
+    reference = run_two_with_crash(ref_url, None, monkeypatch)
     _assert_equal(reference[0].rep.global_named_parameters(), reference[1].rep.global_named_parameters())
     assert all(isinstance(t.merge, EagerFragmentMerge) and t.merge.offset for t in reference.values())
     # round 2's 1st step (its pseudo-gradient is computed again after the restart, from the checkpoint of
@@ -203,7 +204,7 @@ def test_replica_loop_with_eager_merge_is_identical_and_resumes_exactly(tmp_path
     for crash_at in (9, 11):
         crash_url = create_tiny_run(f"file://{tmp_path}/crash{crash_at}", data, 2, **kw)
         ObjectStore(crash_url).put(ckpt.INITIAL_KEY, ObjectStore(ref_url).get(ckpt.INITIAL_KEY))
-        crashed = _run_with_crash(crash_url, crash_at, monkeypatch)
+        crashed = run_two_with_crash(crash_url, crash_at, monkeypatch)
         assert crashed[1].attempt == 1
         for rank in (0, 1):
             _assert_equal(crashed[rank].rep.global_named_parameters(),
