@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import tempfile
 import time
@@ -43,9 +45,12 @@ RESULTS = Path(__file__).parent / "results" / "sparse_convergence.json"
 SPARSELOCO = ["exchange.codec=sparse", "exchange.error_feedback=true", "exchange.feedback_decay=0.95",
               "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false"]
 DEFAULT_SETTINGS = "16of4096-2bit,64of4096-2bit,256of4096-2bit,16of4096-4bit,64of4096-4bit,256of4096-4bit"
+INT8 = ['exchange.codec="int8"', "exchange.error_feedback=true"]  # dense int8 (+ error feedback), dense outer step
 
 
 def _sparse(setting: str) -> list[str]:
+    if setting == "int8":
+        return list(INT8)
     k, rest = setting.split("of")
     chunk, bits = rest.split("-")
     return [*SPARSELOCO, f"exchange.sparse.k={int(k)}", f"exchange.sparse.chunk={int(chunk)}",
@@ -59,13 +64,38 @@ def main() -> int:
     ap.add_argument("--warm-start-steps", type=int, default=100, help="W")
     ap.add_argument("--settings", default=DEFAULT_SETTINGS, help="sparse arms: kofchunk-bbit, comma-separated")
     ap.add_argument("--no-dp", action="store_true", help="skip the sync DP arm")
+    ap.add_argument("--replicas", type=int, default=4, help="N (replicas of every DiLoCo arm, workers of sync DP)")
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="a wider member of the tiny Qwen2 family (as outer_sweep.py): hidden size (intermediate 4x)")
+    ap.add_argument("--layers", type=int, default=None, help="layers of that model (default: the tiny preset's 4)")
+    ap.add_argument("--schedule", default=None,
+                    help="outer.lr_schedule for every sparse arm, e.g. '[[0, 1.0], [10, 0.65]]' "
+                         "(rounds from which each lr applies); 'both' style comparisons: --schedule-also")
+    ap.add_argument("--schedule-also", action="store_true",
+                    help="run every sparse arm twice: without and with --schedule")
+    ap.add_argument("--sparse-set", action="append", default=[],
+                    help="extra RunConfig override for the sparse arms only (repeatable), e.g. "
+                         "exchange.feedback_decay=0.99")
+    ap.add_argument("--no-fp32", action="store_true", help="skip the dense fp32 DiLoCo arm (ratios need it)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    conv.N = args.replicas  # convergence.py's module-level N: read at call time by every run it makes
+    if args.hidden or args.layers:  # the tiny preset, resized for this process only (as outer_sweep.py)
+        from diloco_serverless.trainer import model as model_module
+
+        if args.hidden:
+            model_module.TINY_PRESET.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                                            num_attention_heads=max(1, args.hidden // 32),
+                                            num_key_value_heads=max(1, args.hidden // 64))
+        if args.layers:
+            model_module.TINY_PRESET.update(num_hidden_layers=args.layers)
     torch.set_num_threads(1)
     setup = replace(conv.QUICK, steps=args.steps, sync_every=args.sync_every, warm_steps=args.warm_start_steps)
     rounds = setup.steps // setup.sync_every
     res: dict[str, Any] = {"setup": {"N": conv.N, "T": setup.steps, "H": setup.sync_every, "W": setup.warm_steps,
-                                     "batch": setup.batch, "seq_len": setup.seq_len},
+                                     "batch": setup.batch, "seq_len": setup.seq_len, "hidden": args.hidden,
+                                     "layers": args.layers, "schedule": args.schedule,
+                                     "sparse_set": args.sparse_set, "load_avg_start": os.getloadavg()},
                            "params": count_parameters(build_model(conv._config(setup, []).model, 0)[0]),
                            "arms": {}}
     t0 = time.monotonic()
@@ -77,20 +107,32 @@ def main() -> int:
         arms.append(("sync DP", lambda: conv.run_sync_dp(setup, conv.N, start)))
     with tempfile.TemporaryDirectory(prefix="diloco-sparse-conv-") as tmp:
         root = Path(tmp)
-        arms.append(("DiLoCo fp32", lambda: conv.run_diloco(setup, setup.sync_every, rounds, [], root, "dense",
-                                                            start)))
+        if not args.no_fp32:
+            arms.append(("DiLoCo fp32", lambda: conv.run_diloco(setup, setup.sync_every, rounds, [], root, "dense",
+                                                                start)))
+        variants: list[tuple[str, list[str]]] = [("", [])] if args.schedule is None or args.schedule_also else []
+        if args.schedule is not None:
+            variants.append((" +sched", [f"outer.lr_schedule={args.schedule}"]))
         for i, s in enumerate(x for x in args.settings.split(",") if x):
-            arms.append((f"sparse {s}", lambda s=s, i=i: conv.run_diloco(setup, setup.sync_every, rounds,
-                                                                         _sparse(s), root, f"sparse{i}", start)))
+            for j, (tag, over) in enumerate(variants):
+                extra = _sparse(s) if s == "int8" else [*_sparse(s), *over, *args.sparse_set]
+                if s == "int8" and j:
+                    continue  # the dense int8 arm keeps the dense outer step: no schedule variant
+                label = "DiLoCo int8+EF" if s == "int8" else f"sparse {s}{tag}"
+                arms.append((label, lambda extra=extra, i=i, j=j: conv.run_diloco(
+                    setup, setup.sync_every, rounds, extra, root, f"arm{i}-{j}", start)))
         for name, job in arms:
             res["arms"][name] = job()
             print(f"{name}: {json.dumps(res['arms'][name])}", flush=True)
-    base = res["arms"]["DiLoCo fp32"]
+    res["setup"]["load_avg_end"] = os.getloadavg()
+    base = res["arms"].get("DiLoCo fp32", {"eval_loss": math.nan, "bytes_moved": math.nan})
     print(f"\nN={conv.N}, H={setup.sync_every}, T={setup.steps} inner steps from a {setup.warm_steps}-step warm "
-          f"start, {res['params']:,} parameters (shared 2-core machine; total {time.monotonic() - t0:.0f} s)")
-    print(f"{'arm':26} {'eval loss':>9} {'vs fp32 DiLoCo':>14} {'MB moved':>9} {'vs fp32 bytes':>13} {'wall s':>7}")
+          f"start, {res['params']:,} parameters (shared 2-core machine, load average "
+          f"{res['setup']['load_avg_start'][0]:.1f} at start, {res['setup']['load_avg_end'][0]:.1f} at end; "
+          f"total {time.monotonic() - t0:.0f} s)")
+    print(f"{'arm':32} {'eval loss':>9} {'vs fp32 DiLoCo':>14} {'MB moved':>9} {'vs fp32 bytes':>13} {'wall s':>7}")
     for name, r in res["arms"].items():
-        print(f"{name:26} {r['eval_loss']:>9.4f} {r['eval_loss'] / base['eval_loss']:>13.4f}x "
+        print(f"{name:32} {r['eval_loss']:>9.4f} {r['eval_loss'] / base['eval_loss']:>13.4f}x "
               f"{r['bytes_moved'] / 2**20:>9.2f} {r['bytes_moved'] / base['bytes_moved']:>12.4f}x {r['wall_s']:>7.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1) + "\n")

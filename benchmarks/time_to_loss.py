@@ -49,6 +49,9 @@ momentum 0.1-0.6 and heavy-ball momentum 0.3 were no better. ``--set outer.lr=0.
                 user gets with "auto". The run is T x factor inner steps, as the other arms; rank 0 evaluates
                 every ``--sync-every`` inner steps, as in arm b (``eval_every`` counts rounds of the first H).
   (f) auto H + overlap  ``--arms abf``: (e) with ``outer.delay = 1``.
+  (s) sparse    ``--arms abs``: (b) with SparseLoCo's sparse pseudo-gradients (examples/sparseloco.toml, issue 35):
+                ``exchange.codec = "sparse"`` (top 64 of every 4,096 values, 2-bit), error feedback with decay 0.95 in
+                place of outer momentum, outer SGD lr 1 without momentum (the same outer step as (b)), H as (b).
 
 The last table gives every DiLoCo arm's wall time and tokens (steps) to (a)'s final loss as a share of
 (a)'s, and the replicas' compute share of their wall time (inner steps over the span from the first step to
@@ -626,6 +629,9 @@ def print_table(res: dict[str, Any]) -> None:
 ARM_LABELS = {"b_diloco": "(b) DiLoCo (--set, baseline outer)", "c_overlap": "(c) overlap, H rule, product outer",
               "d_small_h": "(d) no overlap, small H, product outer", "e_auto": "(e) auto H, product outer",
               "f_auto_overlap": "(f) auto H + overlap, product outer"}
+ARM_LABELS["s_sparse"] = "(s) sparse 64of4096-2bit + EF 0.95"
+#: arm (s): SparseLoCo as examples/sparseloco.toml sets it (the outer step is (b)'s: SGD lr 1, no momentum)
+SPARSE_ARM = ("exchange.codec=sparse", "exchange.error_feedback=true", "exchange.feedback_decay=0.95")
 
 
 def run_product_arm(setup: Setup, site: StoreSite, work: Path, h: int, delay: int) -> dict[str, Any]:
@@ -647,6 +653,13 @@ def run_auto_arm(setup: Setup, site: StoreSite, work: Path, delay: int) -> dict[
     out = run_diloco(a_setup, site, work)
     out["sync_every"] = "auto"
     return out
+
+
+def run_sparse_arm(setup: Setup, site: StoreSite, work: Path) -> dict[str, Any]:
+    """(s): (b) with the sparse codec and SparseLoCo's error feedback (``SPARSE_ARM``), same H and outer step."""
+    s_setup = replace(setup, diloco_outer=("outer.lr=1.0", "outer.momentum=0", "outer.nesterov=false"),
+                      extra=(*SPARSE_ARM, *setup.extra))
+    return run_diloco(s_setup, site, work)
 
 
 def overlap_h(args: argparse.Namespace, res: dict[str, Any]) -> int:
@@ -675,7 +688,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--arms", default="ab",
                         help="which arms to run: a, b, c (DiLoCo with outer.delay = 1, the product's outer "
                              "defaults and H from the rule), d (no delay, the product's outer defaults, "
-                             "--d-sync-every) or any combination, e.g. abcd")
+                             "--d-sync-every), s (sparse pseudo-gradients, SparseLoCo) or any combination, "
+                             "e.g. abcd")
     parser.add_argument("--c-sync-every", default="auto", metavar="H|auto",
                         help="H of arm c; auto: the H rule on arm b's measured compute and exchange times")
     parser.add_argument("--d-sync-every", type=int, default=8, metavar="H",
@@ -738,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
             if arm in args.arms:
                 res["arms"][key] = run_auto_arm(setup, site, Path(tmp), delay)
                 print(f"{key}: {json.dumps(res['arms'][key])}", flush=True)
+        if "s" in args.arms:
+            res["arms"]["s_sparse"] = run_sparse_arm(setup, site, Path(tmp))
+            print(f"s_sparse: {json.dumps(res['arms']['s_sparse'])}", flush=True)
     res["load_avg_end"] = os.getloadavg()
     if "a_sync_dp" in res["arms"] and "b_diloco" in res["arms"]:
         digests = {d for arm in res["arms"].values() for d in arm["init_digests"]}
