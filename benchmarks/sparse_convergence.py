@@ -1,10 +1,13 @@
 """Convergence at equal tokens: dense fp32 DiLoCo against SparseLoCo-style sparse pseudo-gradients at
-several densities x bits (N = 4, H = 30), on the tiny model, with benchmarks/convergence.py's machinery.
+several densities x bits (N = 4 or 8, H = 30), on the tiny model or a wider one, with convergence.py's machinery.
 
 Run (from the repo root, venv active; about ten minutes on a shared 2-core machine):
 
     python benchmarks/sparse_convergence.py                 # warm start W=100, T=240 inner steps, H=30
     python benchmarks/sparse_convergence.py --steps 120 --settings 64of4096-2bit   # one sparse arm, shorter
+    python benchmarks/sparse_convergence.py --no-dp --steps 600 --replicas 8      # N = 8, 20 rounds
+    python benchmarks/sparse_convergence.py --no-dp --steps 90 --warm-start-steps 20 --hidden 320 --layers 8 \
+        --settings int8,64of4096-2bit --schedule "[[2, 0.65]]" --schedule-also   # 12.4M params (outer_sweep.py's)
 
 Every arm starts from the same warm-start checkpoint (W steps of sync data parallel from random init, as
 convergence.py's warm table) with the same data, and runs T inner steps on each of N = 4 replicas (the real
@@ -14,6 +17,14 @@ replica code in threads over a file:// store): the same tokens. Arms:
   DiLoCo fp32       H = 30, outer Nesterov SGD (lr 0.7, momentum 0.9): the dense baseline
   sparse k of c, b  exchange.codec = "sparse" with k of every c values at b bits, error feedback with decay
                     0.95, outer SGD lr 1 without momentum (examples/sparseloco.toml)
+  DiLoCo int8+EF    ``--settings int8``: the dense int8 codec with error feedback, the fp32 arm's outer step
+  ... +sched        ``--schedule``: the sparse arm with ``outer.lr_schedule`` (e.g. Covenant's 1 then 0.65);
+                    ``--schedule-also`` runs each sparse arm without and with it. ``--sparse-set`` adds
+                    overrides to the sparse arms only (e.g. exchange.feedback_decay=0.99).
+
+``--replicas`` sets N; ``--hidden``/``--layers`` resize the tiny Qwen2 preset for this process as
+outer_sweep.py does (``--hidden 320 --layers 8``: 12.4M parameters). "DiLoCo fp32" has no outer.*
+override: the product's measured default for (N, H) (config.OUTER_DEFAULTS).
 
 Eval loss is the final global model's mean lm_ce on the held-out batches; bytes are the replicas' own
 exchange counters (sum over replicas and rounds). Prints a table and writes
