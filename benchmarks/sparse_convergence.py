@@ -87,6 +87,8 @@ def main() -> int:
     ap.add_argument("--sparse-set", action="append", default=[],
                     help="extra RunConfig override for the sparse arms only (repeatable), e.g. "
                          "exchange.feedback_decay=0.99")
+    ap.add_argument("--warm-threads", type=int, default=1,
+                    help="torch threads of the (single-process) warm start; the arms run one per replica")
     ap.add_argument("--no-fp32", action="store_true", help="skip the dense fp32 DiLoCo arm (ratios need it)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -106,11 +108,14 @@ def main() -> int:
     res: dict[str, Any] = {"setup": {"N": conv.N, "T": setup.steps, "H": setup.sync_every, "W": setup.warm_steps,
                                      "batch": setup.batch, "seq_len": setup.seq_len, "hidden": args.hidden,
                                      "layers": args.layers, "schedule": args.schedule,
-                                     "sparse_set": args.sparse_set, "load_avg_start": os.getloadavg()},
+                                     "sparse_set": args.sparse_set, "warm_threads": args.warm_threads,
+                                     "load_avg_start": os.getloadavg()},
                            "params": count_parameters(build_model(conv._config(setup, []).model, 0)[0]),
                            "arms": {}}
     t0 = time.monotonic()
+    torch.set_num_threads(args.warm_threads)
     start, loss, wall = conv.warm_start(setup)
+    torch.set_num_threads(1)
     res["warm_start"] = {"eval_loss": loss, "wall_s": wall}
     print(f"warm start ({setup.warm_steps} sync DP steps): eval {loss:.4f}", flush=True)
     arms: list[tuple[str, Any]] = []
