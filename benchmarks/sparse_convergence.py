@@ -8,6 +8,7 @@ Run (from the repo root, venv active; about ten minutes on a shared 2-core machi
     python benchmarks/sparse_convergence.py --no-dp --steps 600 --replicas 8      # N = 8, 20 rounds
     python benchmarks/sparse_convergence.py --no-dp --steps 90 --warm-start-steps 20 --hidden 320 --layers 8 \
         --settings int8,64of4096-2bit --schedule "[[2, 0.65]]" --schedule-also   # 12.4M params (outer_sweep.py's)
+    python benchmarks/sparse_convergence.py --merge a.json b.json   # one table of parallel runs' arms (--out)
 
 Every arm starts from the same warm-start checkpoint (W steps of sync data parallel from random init, as
 convergence.py's warm table) with the same data, and runs T inner steps on each of N = 4 replicas (the real
@@ -68,6 +69,31 @@ def _sparse(setting: str) -> list[str]:
             f"exchange.sparse.bits={int(bits.removesuffix('bit'))}"]
 
 
+def merge(paths: list[Path]) -> int:
+    """Print one table of the arms of several runs' JSON (same setup and warm start: the processes of one
+    measurement run in parallel), ratios against the first file's "DiLoCo fp32"."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    keys = ("N", "T", "H", "W", "hidden", "layers", "warm_threads")
+    if any({k: r["setup"].get(k) for k in keys} != {k: runs[0]["setup"].get(k) for k in keys} for r in runs):
+        raise SystemExit(f"--merge: the runs' setups differ in one of {keys}; merge runs of one measurement only")
+    if len({r["warm_start"]["eval_loss"] for r in runs}) != 1:
+        raise SystemExit("--merge: the runs' warm starts differ (eval loss); they did not start from the same model")
+    arms: dict[str, Any] = {k: v for r in runs for k, v in r["arms"].items()}
+    if "DiLoCo fp32" not in arms:
+        raise SystemExit("--merge: no run has the 'DiLoCo fp32' arm the ratios need")
+    base, s = arms["DiLoCo fp32"], runs[0]["setup"]
+    print(f"N={s['N']}, H={s['H']}, T={s['T']} inner steps from a {s['W']}-step warm start (eval "
+          f"{runs[0]['warm_start']['eval_loss']:.4f}), {runs[0]['params']:,} parameters; {len(runs)} processes")
+    print(f"{'arm':32} {'eval loss':>9} {'vs fp32 DiLoCo':>14} {'MB moved':>9} {'vs fp32 bytes':>13} {'wall s':>7}")
+    for name, r in arms.items():
+        print(f"{name:32} {r['eval_loss']:>9.4f} {r['eval_loss'] / base['eval_loss']:>13.4f}x "
+              f"{r['bytes_moved'] / 2**20:>9.2f} {r['bytes_moved'] / base['bytes_moved']:>12.4f}x {r['wall_s']:>7.1f}")
+    print("load average at start -> end: " + "; ".join(
+        f"{p.name} {r['setup']['load_avg_start'][0]:.1f} -> {r['setup'].get('load_avg_end', [math.nan])[0]:.1f}"
+        for p, r in zip(paths, runs)))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=240, help="T: inner steps of every arm")
@@ -91,7 +117,11 @@ def main() -> int:
                     help="torch threads of the (single-process) warm start; the arms run one per replica")
     ap.add_argument("--no-fp32", action="store_true", help="skip the dense fp32 DiLoCo arm (ratios need it)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="run nothing: print one table of these runs' arms (parallel processes of one setup)")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge)
     conv.N = args.replicas  # convergence.py's module-level N: read at call time by every run it makes
     if args.hidden or args.layers:  # the tiny preset, resized for this process only (as outer_sweep.py)
         from diloco_serverless.trainer import model as model_module
