@@ -78,7 +78,10 @@ def merge(paths: list[Path]) -> int:
         raise SystemExit(f"--merge: the runs' setups differ in one of {keys}; merge runs of one measurement only")
     if len({r["warm_start"]["eval_loss"] for r in runs}) != 1:
         raise SystemExit("--merge: the runs' warm starts differ (eval loss); they did not start from the same model")
-    arms: dict[str, Any] = {k: v for r in runs for k, v in r["arms"].items()}
+    arms: dict[str, Any] = {}
+    for p, r in zip(paths, runs):
+        for k, v in r["arms"].items():
+            arms[k if k not in arms else f"{k} ({p.stem})"] = v  # a name twice: which run is which
     if "DiLoCo fp32" not in arms:
         raise SystemExit("--merge: no run has the 'DiLoCo fp32' arm the ratios need")
     base, s = arms["DiLoCo fp32"], runs[0]["setup"]
@@ -164,7 +167,8 @@ def main() -> int:
                 extra = _sparse(s) if s == "int8" else [*_sparse(s), *over, *args.sparse_set]
                 if s == "int8" and j:
                     continue  # the dense int8 arm keeps the dense outer step: no schedule variant
-                label = "DiLoCo int8+EF" if s == "int8" else f"sparse {s}{tag}"
+                label = "DiLoCo int8+EF" if s == "int8" else f"sparse {s}{tag}" + "".join(
+                    f" {o.rsplit('.', 1)[-1]}" for o in args.sparse_set)
                 arms.append((label, lambda extra=extra, i=i, j=j: conv.run_diloco(
                     setup, setup.sync_every, rounds, extra, root, f"arm{i}-{j}", start)))
         for name, job in arms:
