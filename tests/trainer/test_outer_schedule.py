@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,14 +13,17 @@ from diloco_serverless.config import OuterConfig, RunConfig
 from diloco_serverless.errors import ConfigError
 from diloco_serverless.testing import MockGroup, MockManager
 from diloco_serverless.trainer.diloco import build_diloco
+from diloco_serverless.trainer.loop import ReplicaTrainer
 from diloco_serverless.trainer.outer_schedule import schedule_outer_lr
 from support.diloco_harness import (
     assert_close_params,
     assert_identical,
+    create_tiny_run,
     make_inner,
     reference_run,
     run_replicas,
     tiny_model,
+    write_jsonl,
 )
 
 SCHEDULE = OuterConfig(lr=0.7, momentum=0.9, lr_schedule=[(2, 0.35), (4, 1.2)])
@@ -87,3 +91,19 @@ def test_bad_schedules_are_refused_by_name(value: str, needle: str) -> None:
     with pytest.raises(ConfigError) as err:
         RunConfig.load(None, [f"outer.lr_schedule={value}"])
     assert needle in str(err.value)
+
+
+@pytest.mark.slow  # a real replica end to end (~2-8 s)
+def test_the_replica_loop_steps_with_the_configured_schedule(tmp_path: Path) -> None:
+    """The real replica (ReplicaTrainer on file://) installs outer.lr_schedule: its outer SGD steps with
+    lr_at(round), recorded at the step."""
+    data = write_jsonl(tmp_path / "data.jsonl")
+    url = create_tiny_run(f"file://{tmp_path}/store", data, 1, rounds=3, sync_every=2, checkpoint_every=0,
+                          eval_every=0, **{"outer.lr": "1.0", "outer.momentum": "0", "outer.nesterov": "false",
+                                           "outer.lr_schedule": "[[1, 0.5], [2, 0.25]]"})
+    trainer = ReplicaTrainer.from_run(url, 0)
+    seen: list[float] = []
+    for opt in trainer.rep.outer_optimizers:
+        opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
+    trainer.run()
+    assert seen == [1.0, 0.5, 0.25]
