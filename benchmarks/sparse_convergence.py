@@ -168,7 +168,7 @@ def main() -> int:
                 if s == "int8" and j:
                     continue  # the dense int8 arm keeps the dense outer step: no schedule variant
                 label = "DiLoCo int8+EF" if s == "int8" else f"sparse {s}{tag}" + "".join(
-                    f" {o.rsplit('.', 1)[-1]}" for o in args.sparse_set)
+                    f" {o.split('=', 1)[0].rsplit('.', 1)[-1]}={o.split('=', 1)[-1]}" for o in args.sparse_set)
                 arms.append((label, lambda extra=extra, i=i, j=j: conv.run_diloco(
                     setup, setup.sync_every, rounds, extra, root, f"arm{i}-{j}", start)))
         for name, job in arms:
