@@ -57,6 +57,9 @@ momentum 0.1-0.6 and heavy-ball momentum 0.3 were no better. ``--set outer.lr=0.
                 (trainer/fragment_merge.py: the replica keeps its tau steps' progress on top of the new global).
   (i) auto H + in-round overlap  ``--arms abi``: (e) with ``exchange.fragment_sync_delay = --i-tau`` (the first
                 rounds' tau, 4) and the eager merge: rank 0 picks each round's H and tau (trainer/sync_every.py).
+  (s) sparse    ``--arms abs``: (b) with SparseLoCo's sparse pseudo-gradients (examples/sparseloco.toml, issue 35):
+                ``exchange.codec = "sparse"`` (top 64 of every 4,096 values, 2-bit), error feedback with decay 0.95 in
+                place of outer momentum, outer SGD lr 1 without momentum (the same outer step as (b)), H as (b).
 
 The last table gives every DiLoCo arm's wall time and tokens (steps) to (a)'s final loss as a share of
 (a)'s, and the replicas' compute share of their wall time (inner steps over the span from the first step to
@@ -661,6 +664,11 @@ def overlap_tau(args: argparse.Namespace, res: dict[str, Any], h: int) -> int:
     return int(max(1, min(h - 1, math.ceil(1.25 * b["exchange_s_median"] / b["compute_s_per_step"]))))
 
 
+ARM_LABELS["s_sparse"] = "(s) sparse 64of4096-2bit + EF 0.95"
+#: arm (s): SparseLoCo as examples/sparseloco.toml sets it (the outer step is (b)'s: SGD lr 1, no momentum)
+SPARSE_ARM = ("exchange.codec=sparse", "exchange.error_feedback=true", "exchange.feedback_decay=0.95")
+
+
 def run_product_arm(setup: Setup, site: StoreSite, work: Path, h: int, delay: int) -> dict[str, Any]:
     """(c) and (d): the product with what a user gets by default for the outer step (no outer.* override but
     ``--set``'s: the measured default for N and H) and ``outer.delay = delay`` at ``h`` inner steps per round."""
@@ -682,6 +690,13 @@ def run_auto_arm(setup: Setup, site: StoreSite, work: Path, delay: int, tau: int
     out = run_diloco(a_setup, site, work)
     out["sync_every"] = "auto"
     return out
+
+
+def run_sparse_arm(setup: Setup, site: StoreSite, work: Path) -> dict[str, Any]:
+    """(s): (b) with the sparse codec and SparseLoCo's error feedback (``SPARSE_ARM``), same H and outer step."""
+    s_setup = replace(setup, diloco_outer=("outer.lr=1.0", "outer.momentum=0", "outer.nesterov=false"),
+                      extra=(*SPARSE_ARM, *setup.extra))
+    return run_diloco(s_setup, site, work)
 
 
 def overlap_h(args: argparse.Namespace, res: dict[str, Any]) -> int:
@@ -710,7 +725,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--arms", default="ab",
                         help="which arms to run: a, b, c (DiLoCo with outer.delay = 1, the product's outer "
                              "defaults and H from the rule), d (no delay, the product's outer defaults, "
-                             "--d-sync-every) or any combination, e.g. abcd")
+                             "--d-sync-every), s (sparse pseudo-gradients, SparseLoCo) or any combination, "
+                             "e.g. abcd")
     parser.add_argument("--c-sync-every", default="auto", metavar="H|auto",
                         help="H of arm c; auto: the H rule on arm b's measured compute and exchange times")
     parser.add_argument("--d-sync-every", type=int, default=8, metavar="H",
@@ -787,6 +803,9 @@ def main(argv: list[str] | None = None) -> int:
         if "i" in args.arms:
             res["arms"]["i_auto_tau"] = run_auto_arm(setup, site, Path(tmp), 0, tau=args.i_tau)
             print(f"i_auto_tau: {json.dumps(res['arms']['i_auto_tau'])}", flush=True)
+        if "s" in args.arms:
+            res["arms"]["s_sparse"] = run_sparse_arm(setup, site, Path(tmp))
+            print(f"s_sparse: {json.dumps(res['arms']['s_sparse'])}", flush=True)
     res["load_avg_end"] = os.getloadavg()
     if "a_sync_dp" in res["arms"] and "b_diloco" in res["arms"]:
         digests = {d for arm in res["arms"].values() for d in arm["init_digests"]}

@@ -383,12 +383,44 @@ class OuterConfig(_Section):
         description="With delay = 1: start each round from the new global parameters plus this replica's own "
         "progress of the round before (eager); false starts from the global parameters alone.",
     )
+    lr_schedule: list[tuple[int, float]] | None = Field(
+        None,
+        description="Piecewise-constant outer lr: [[from_round, lr], ...], from_round >= 1 strictly increasing, "
+        "0 < lr <= 10; the outer step that ends round r uses the lr of the last entry with from_round <= r "
+        "(outer.lr before the first). A function of the round number: the same on every replica, on replay and "
+        "after a resume. E.g. Covenant-72B's 1 then 0.65: outer.lr = 1.0, lr_schedule = [[R, 0.65]].",
+    )
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> OuterConfig:
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("outer.nesterov=true needs outer.momentum > 0; set a momentum or nesterov=false")
         return self
+
+    @model_validator(mode="after")
+    def _schedule_is_piecewise(self) -> OuterConfig:
+        prev = 0
+        for from_round, lr in self.lr_schedule or ():
+            if from_round <= prev:
+                raise ValueError(
+                    f"outer.lr_schedule: round {from_round} must be >= 1 and greater than the entry before "
+                    f"({prev}): give [[from_round, lr], ...] in increasing rounds (round 0 uses outer.lr)"
+                )
+            if not (math.isfinite(lr) and 0.0 < lr <= 10.0):
+                raise ValueError(f"outer.lr_schedule: lr {lr} from round {from_round} must be > 0 and <= 10 "
+                                 "(as outer.lr)")
+            prev = from_round
+        return self
+
+    def lr_at(self, round_: int) -> float:
+        """The outer lr of the step that ends round ``round_`` (0-based): ``lr_schedule``'s last entry at or
+        before it, else ``lr``."""
+        lr = self.lr
+        for from_round, value in self.lr_schedule or ():
+            if from_round > round_:
+                break
+            lr = value
+        return lr
 
 
 #: The outer step (lr, momentum, nesterov) a run gets when its config sets none of outer.lr, outer.momentum
@@ -892,7 +924,7 @@ class RunConfig(_Section):
         if not self.outer.model_fields_set & {"lr", "momentum", "nesterov"}:  # none set: by (N, H)
             lr, momentum, nesterov = outer_defaults(self.replicas, h, self.outer.delay)
             outer = OuterConfig(lr=lr, momentum=momentum, nesterov=nesterov, delay=self.outer.delay,
-                                eager=self.outer.eager)
+                                eager=self.outer.eager, lr_schedule=self.outer.lr_schedule)
             object.__setattr__(self, "outer", outer)  # no re-validation: the fields were just validated
         if self.loss.channel1 != "lm":
             if not self.rl.reward_funcs:

@@ -101,6 +101,7 @@ from diloco_serverless.trainer.fsdp import (
 from diloco_serverless.trainer.local_group import LocalGroup
 from diloco_serverless.trainer.manager import ExchangeRecord, ObjectStoreManager
 from diloco_serverless.trainer.model import autocast, build_model, compile_model
+from diloco_serverless.trainer.outer_schedule import schedule_outer_lr
 from diloco_serverless.trainer.overlap import DelayedObjectStoreManager, apply_last_update, enable_delay, shown_record
 from diloco_serverless.trainer.reports import ReportWriter
 from diloco_serverless.trainer.round_plan import RoundPlanner
@@ -227,6 +228,8 @@ class ReplicaTrainer:
         if cfg.outer.delay:  # one-step-delay rounds: trainer/overlap.py
             enable_delay(self.rep, eager=cfg.outer.eager)
         self.merge = enable_fragment_merge(self.rep, cfg.exchange.fragment_merge)  # trainer/fragment_merge.py
+        if cfg.outer.lr_schedule:  # the outer lr by round: trainer/outer_schedule.py
+            schedule_outer_lr(self.rep, cfg.outer.lr_at)
         if self.fsdp:  # the exchange slice, the global parameters and the outer momentum are the shards
             assert local is not None
             self.rep = FSDPReplica(self.rep, local)

@@ -28,6 +28,7 @@ from diloco_serverless.trainer.diloco import (
     build_diloco,
     split_fragments,
 )
+from diloco_serverless.trainer.outer_schedule import schedule_outer_lr
 
 IN, OUT = 7, 3
 
@@ -55,8 +56,10 @@ def make_inner(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def run_replicas(base: nn.Module, make_manager: Callable[[int], Any], world: int, *, rounds: int,
-                 sync_every: int, fragments: int = 1, delay: int = 0) -> list[DiLoCoReplica]:
-    """Train ``world`` replicas in threads for ``rounds`` exchange rounds; returns their DiLoCo states."""
+                 sync_every: int, fragments: int = 1, delay: int = 0,
+                 lr_at: Callable[[int], float] | None = None) -> list[DiLoCoReplica]:
+    """Train ``world`` replicas in threads for ``rounds`` exchange rounds; returns their DiLoCo states.
+    ``lr_at``: an outer lr schedule by round (``outer.lr_schedule``, trainer/outer_schedule.py)."""
     out: list[Any] = [None] * world
     errors: list[BaseException] = []
 
@@ -67,6 +70,8 @@ def run_replicas(base: nn.Module, make_manager: Callable[[int], Any], world: int
             opt = make_inner(model)
             rep = build_diloco(manager, model, opt, sync_every=sync_every, fragments=fragments,
                                fragment_sync_delay=delay)
+            if lr_at is not None:
+                schedule_outer_lr(rep, lr_at)
             gen = torch.Generator().manual_seed(100 + rank)
             with rep:
                 while manager.current_step() < rounds:
@@ -105,8 +110,10 @@ def _codec_mean(pgs: list[torch.Tensor], codec: str, residuals: list[torch.Tenso
 
 def reference_run(base: nn.Module, world: int, *, rounds: int, sync_every: int, fragments: int = 1,
                   delay: int = 0, codec: str = "fp32", error_feedback: bool = False,
-                  outer_lr: float = 0.7, momentum: float = 0.9) -> dict[str, torch.Tensor]:
-    """Global parameters after ``rounds`` exchange rounds, computed without torchft."""
+                  outer_lr: float = 0.7, momentum: float = 0.9,
+                  lr_at: Callable[[int], float] | None = None) -> dict[str, torch.Tensor]:
+    """Global parameters after ``rounds`` exchange rounds, computed without torchft (``lr_at``: the outer
+    lr of round r's step, else ``outer_lr``)."""
     models = [copy.deepcopy(base) for _ in range(world)]
     opts = [make_inner(m) for m in models]
     gens = [torch.Generator().manual_seed(100 + r) for r in range(world)]
@@ -136,6 +143,9 @@ def reference_run(base: nn.Module, world: int, *, rounds: int, sync_every: int, 
             n = glob[k].numel()
             glob[k].grad = avg[offset:offset + n].view_as(glob[k]).clone()
             offset += n
+        if lr_at is not None:
+            for group in outer[frag].param_groups:
+                group["lr"] = lr_at(r)
         outer[frag].step()
         outer[frag].zero_grad()
         for m in models:
