@@ -28,6 +28,7 @@ from diloco_serverless.trainer.diloco import (
     build_diloco,
     split_fragments,
 )
+from diloco_serverless.trainer.fragment_merge import enable_fragment_merge
 from diloco_serverless.trainer.outer_schedule import schedule_outer_lr
 
 IN, OUT = 7, 3
@@ -57,9 +58,12 @@ def make_inner(model: nn.Module) -> torch.optim.Optimizer:
 
 def run_replicas(base: nn.Module, make_manager: Callable[[int], Any], world: int, *, rounds: int,
                  sync_every: int, fragments: int = 1, delay: int = 0,
-                 lr_at: Callable[[int], float] | None = None) -> list[DiLoCoReplica]:
+                 lr_at: Callable[[int], float] | None = None, merge: str | None = None,
+                 after_sync: list[list[dict[str, torch.Tensor]]] | None = None) -> list[DiLoCoReplica]:
     """Train ``world`` replicas in threads for ``rounds`` exchange rounds; returns their DiLoCo states.
-    ``lr_at``: an outer lr schedule by round (``outer.lr_schedule``, trainer/outer_schedule.py)."""
+    ``lr_at``: an outer lr schedule by round (``outer.lr_schedule``, trainer/outer_schedule.py);
+    ``merge``: ``exchange.fragment_merge`` (trainer/fragment_merge.py); ``after_sync[rank]`` gets the
+    replica's parameters after each round's sync."""
     out: list[Any] = [None] * world
     errors: list[BaseException] = []
 
@@ -72,10 +76,15 @@ def run_replicas(base: nn.Module, make_manager: Callable[[int], Any], world: int
                                fragment_sync_delay=delay)
             if lr_at is not None:
                 schedule_outer_lr(rep, lr_at)
+            if merge is not None:
+                enable_fragment_merge(rep, merge)
             gen = torch.Generator().manual_seed(100 + rank)
             with rep:
                 while manager.current_step() < rounds:
+                    before = manager.current_step()
                     inner_step(model, opt, gen)
+                    if after_sync is not None and manager.current_step() > before:
+                        after_sync[rank].append({n: p.detach().clone() for n, p in model.named_parameters()})
             manager.shutdown()
             out[rank] = rep
         except BaseException as exc:

@@ -17,45 +17,23 @@ from diloco_serverless.testing import MockGroup, MockManager
 from diloco_serverless.trainer.diloco import DiLoCoReplica, build_diloco
 from diloco_serverless.trainer.fragment_merge import EagerFragmentMerge, enable_fragment_merge
 from support.crash_harness import run_two_with_crash
-from support.diloco_harness import assert_close_params, assert_identical, inner_step, make_inner, tiny_model
+from support.diloco_harness import (
+    assert_close_params,
+    assert_identical,
+    inner_step,
+    make_inner,
+    run_replicas,
+    tiny_model,
+)
 
 
 def _run(base: nn.Module, world: int, *, rounds: int, h: int, tau: int, merge: str,
          after_sync: list[list[dict[str, torch.Tensor]]] | None = None) -> list[DiLoCoReplica]:
-    """``world`` replicas in threads over the in-process manager; ``after_sync[rank]`` gets the replica's
-    parameters after each round's sync."""
+    """``world`` replicas in threads over the in-process manager (outer lr 0.7, Nesterov 0.9);
+    ``after_sync[rank]`` gets the replica's parameters after each round's sync."""
     group = MockGroup(world)
-    out: list[DiLoCoReplica | None] = [None] * world
-    errors: list[BaseException] = []
-
-    def worker(rank: int) -> None:
-        try:
-            manager = MockManager(group, rank)
-            model = copy.deepcopy(base)
-            opt = make_inner(model)
-            rep = build_diloco(manager, model, opt, sync_every=h, fragment_sync_delay=tau, outer_lr=0.7,
-                               outer_momentum=0.9)
-            enable_fragment_merge(rep, merge)
-            gen = torch.Generator().manual_seed(100 + rank)
-            with rep:
-                while manager.current_step() < rounds:
-                    before = manager.current_step()
-                    inner_step(model, opt, gen)
-                    if after_sync is not None and manager.current_step() > before:
-                        after_sync[rank].append({n: p.detach().clone() for n, p in model.named_parameters()})
-            manager.shutdown()
-            out[rank] = rep
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return [r for r in out if r is not None]
+    return run_replicas(base, lambda rank: MockManager(group, rank), world, rounds=rounds, sync_every=h,
+                        delay=tau, merge=merge, after_sync=after_sync)
 
 
 def _reference(base: nn.Module, world: int, *, rounds: int, h: int, tau: int, merge: str
