@@ -207,6 +207,19 @@ def steps_to(curve: list[tuple[int, float]], target: float) -> int | None:
     return next((s for s, loss in curve if loss <= target + 1e-9), None)
 
 
+
+def resize_tiny_preset(hidden: int | None, layers: int | None) -> None:
+    """The tiny Qwen2 preset widened (``--hidden``: width, 4x MLP, a head per 32) and deepened
+    (``--layers``) for this process only; shared by the benchmarks that take those flags."""
+    from diloco_serverless.trainer import model as model_module
+
+    if hidden:
+        model_module.TINY_PRESET.update(hidden_size=hidden, intermediate_size=4 * hidden,
+                                        num_attention_heads=max(1, hidden // 32),
+                                        num_key_value_heads=max(1, hidden // 64))
+    if layers:
+        model_module.TINY_PRESET.update(num_hidden_layers=layers)
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
@@ -231,15 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="layers of that model (default: the tiny preset's 4)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if args.hidden or args.layers:  # the tiny preset, resized for this process only (benchmark-local)
-        from diloco_serverless.trainer import model as model_module
-
-        if args.hidden:
-            model_module.TINY_PRESET.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                                            num_attention_heads=max(1, args.hidden // 32),
-                                            num_key_value_heads=max(1, args.hidden // 64))
-        if args.layers:
-            model_module.TINY_PRESET.update(num_hidden_layers=args.layers)
+    resize_tiny_preset(args.hidden, args.layers)
     earlier: dict[int, list[tuple[int, float]]] = {}
     if args.dp_from is not None:
         old = json.loads(args.dp_from.read_text())

@@ -49,18 +49,6 @@ import outer_sweep as sweep  # noqa: E402  (benchmark-local module next to this 
 FIRST_H = 8  # inner.sync_every = "auto" starts with H = 8 (config.AUTO_SYNC_INITIAL)
 
 
-def resize(hidden: int | None, layers: int | None) -> None:
-    """The tiny Qwen2 preset widened for this process only, as ``outer_sweep.py --hidden/--layers`` does."""
-    from diloco_serverless.trainer import model as model_module
-
-    if hidden:
-        model_module.TINY_PRESET.update(hidden_size=hidden, intermediate_size=4 * hidden,
-                                        num_attention_heads=max(1, hidden // 32),
-                                        num_key_value_heads=max(1, hidden // 64))
-    if layers:
-        model_module.TINY_PRESET.update(num_hidden_layers=layers)
-
-
 def auto_plan(steps: int, compute_s: float, exchange_s: float, *, overlap: bool, first: int = FIRST_H,
               lo: int = 4, hi: int = 128) -> list[tuple[int, str]]:
     """(H, reason) of every round the product's auto rule would run over ``steps`` inner steps when each
@@ -180,7 +168,7 @@ def run_dp_rounds(sim: sweep.Sim, replicas: int, steps: int, every: int, *,
 def run_arm(args: argparse.Namespace) -> int:
     kind, _, outer_text = args.arm.partition(":")
     outer = sweep.Outer.parse(outer_text) if kind != "dp" else None
-    resize(args.hidden, args.layers)
+    sweep.resize_tiny_preset(args.hidden, args.layers)
     torch.set_num_threads(1)
     t0 = time.monotonic()
     plans: list[tuple[int, str]] = []

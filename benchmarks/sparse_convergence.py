@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import convergence as conv  # noqa: E402
+from outer_sweep import resize_tiny_preset  # noqa: E402
 
 from diloco_serverless.trainer.model import build_model, count_parameters  # noqa: E402
 
@@ -126,15 +127,7 @@ def main() -> int:
     if args.merge:
         return merge(args.merge)
     conv.N = args.replicas  # convergence.py's module-level N: read at call time by every run it makes
-    if args.hidden or args.layers:  # the tiny preset, resized for this process only (as outer_sweep.py)
-        from diloco_serverless.trainer import model as model_module
-
-        if args.hidden:
-            model_module.TINY_PRESET.update(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                                            num_attention_heads=max(1, args.hidden // 32),
-                                            num_key_value_heads=max(1, args.hidden // 64))
-        if args.layers:
-            model_module.TINY_PRESET.update(num_hidden_layers=args.layers)
+    resize_tiny_preset(args.hidden, args.layers)  # the tiny preset, resized as outer_sweep.py does
     torch.set_num_threads(1)
     setup = replace(conv.QUICK, steps=args.steps, sync_every=args.sync_every, warm_steps=args.warm_start_steps)
     rounds = setup.steps // setup.sync_every

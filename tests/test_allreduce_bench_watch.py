@@ -6,26 +6,19 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import sys
 import threading
 import time
 from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from support import REPO_ROOT
+from support import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     # imported by name from its folder: the forkserver's replica processes import replica_main the same way
-    folder = str(REPO_ROOT / "benchmarks")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import allreduce
-
-    assert allreduce.__file__ == str(REPO_ROOT / "benchmarks" / "allreduce.py")
-    return allreduce
+    return import_benchmark("allreduce")
 
 
 def test_the_watch_ends_the_drivers_waits_when_a_replica_is_killed(bench: ModuleType) -> None:

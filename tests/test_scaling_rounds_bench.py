@@ -3,23 +3,16 @@ with the product's timing of decisions, and its variable-H loop is ``outer_sweep
 
 from __future__ import annotations
 
-import sys
 from types import ModuleType
 
 import pytest
 
-from support import REPO_ROOT
+from support import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    folder = str(REPO_ROOT / "benchmarks")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import scaling_rounds
-
-    assert scaling_rounds.__file__ == str(REPO_ROOT / "benchmarks" / "scaling_rounds.py")
-    return scaling_rounds
+    return import_benchmark("scaling_rounds")
 
 
 def test_auto_plan_with_overlap_decides_round_3_first_and_keeps_h(bench: ModuleType) -> None:
